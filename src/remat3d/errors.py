@@ -1,0 +1,31 @@
+"""The library's exceptions.
+
+Every error a user can cause is a :class:`Remat3dError` (or a subclass) whose message says
+what was wrong, what we got, and how to fix it. The CLI prints the message without a
+traceback; library callers can catch the one base class.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Remat3dError",
+    "ModelSpecError",
+    "InputShapeError",
+    "BudgetError",
+]
+
+
+class Remat3dError(Exception):
+    """Base class of every error remat3d raises on purpose."""
+
+
+class ModelSpecError(Remat3dError, ValueError):
+    """A model preset, ``package.module:Class`` spec, model file or its kwargs is unusable."""
+
+
+class InputShapeError(Remat3dError, ValueError):
+    """An input shape is malformed or not legal for the model (size, divisibility)."""
+
+
+class BudgetError(Remat3dError, ValueError):
+    """A memory budget or byte size could not be parsed, or is infeasible."""

@@ -1,0 +1,144 @@
+"""CUDA autocast, reproduced for tensors on the meta device.
+
+``torch.autocast`` does nothing for meta tensors (and a CPU build of PyTorch cannot even
+create CUDA tensors), yet a plan for a GPU must know which activations autocast makes
+bf16/fp16. :class:`MetaAutocast` is a ``TorchFunctionMode`` that applies CUDA autocast's op
+lists, copied from ``ATen/autocast_mode.h`` (PyTorch 2.13; a test compares them with the
+installed header when it ships):
+
+- lower precision: convolutions, matmuls, linear, attention -> inputs cast to bf16/fp16;
+- fp32: exp/log family, pow, layer/group/rms norm, losses, upsampling -> inputs cast to fp32;
+- fp32 unless a dtype is given: sum, prod, softmax, log_softmax, cumsum, norms;
+- promote: the widest input dtype.
+Every other op runs in whatever dtype its inputs have, as under autocast.
+
+NOTE [ Why a function mode and not a dispatch mode ]
+  Autocast sits above autograd in the dispatcher, so its casts are recorded in the autograd
+  graph and backward runs in the cast dtypes. A ``TorchFunctionMode`` also sits above
+  autograd; a ``TorchDispatchMode`` would sit below it and produce a wrong backward.
+  Like CUDA autocast, casts of leaf tensors that require grad (the weights) are cached for
+  the life of the context, so each weight is cast once per forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["MetaAutocast", "LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS",
+           "PROMOTE_OPS", "amp_dtype"]
+
+LOWER_PRECISION_OPS = frozenset({
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr",
+    "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm",
+    "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+})
+FP32_OPS = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm",
+    "rms_norm", "group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity",
+    "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
+    "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+})
+FP32_SET_OPT_DTYPE_OPS = frozenset({
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "sum", "norm",
+})
+PROMOTE_OPS = frozenset({
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+    "index_put", "tensordot", "scatter_add",
+})
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+_WIDTH = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1}
+
+
+def amp_dtype(amp: str | None) -> torch.dtype | None:
+    """Map ``None | "none" | "bf16" | "fp16"`` to a dtype; raise a clear error otherwise."""
+    from remat3d.errors import Remat3dError
+
+    if amp is None or str(amp).lower() in ("none", "fp32", "no", "off", ""):
+        return None
+    try:
+        return _AMP_DTYPES[str(amp).lower()]
+    except KeyError:
+        raise Remat3dError(
+            f"Unknown amp setting {amp!r}. Use one of: none, bf16, fp16."
+        ) from None
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):  # Tensor.__matmul__, __pow__, __rpow__
+        name = name[2:-2]
+        if name.startswith("r") and name[1:] in ("matmul", "pow"):
+            name = name[1:]
+    return name.rstrip("_") if not name.startswith("_") else name
+
+
+def _eligible(x: Any) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == "meta"
+        and x.is_floating_point()
+        and x.dtype != torch.float64
+    )
+
+
+class MetaAutocast(TorchFunctionMode):
+    """Apply CUDA autocast's casting rules to meta tensors (see module docstring)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _cast(self, x: Any, dtype: torch.dtype) -> Any:
+        if not _eligible(x) or x.dtype == dtype:
+            return x
+        cacheable = x.is_leaf and x.requires_grad and dtype == self.dtype
+        if cacheable:
+            hit = self._cache.get(id(x))
+            if hit is not None and hit[0] is x:
+                return hit[1]
+        with torch._C.DisableTorchFunction():
+            y = x.to(dtype)
+        if cacheable:
+            self._cache[id(x)] = (x, y)
+        return y
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        name = _op_name(func)
+        target: torch.dtype | None = None
+        if name in LOWER_PRECISION_OPS:
+            target = self.dtype
+        elif name in FP32_OPS:
+            target = torch.float32
+        elif name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None:
+            target = torch.float32
+        elif name in PROMOTE_OPS:
+            dtypes = [x.dtype for x in tree_leaves((args, kwargs)) if _eligible(x)]
+            if dtypes:
+                target = max(dtypes, key=lambda d: _WIDTH.get(d, 1))
+        if target is not None:
+            args, kwargs = tree_map(lambda x: self._cast(x, target), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._cache.clear()
+        return super().__exit__(*exc)
+

@@ -1,0 +1,212 @@
+"""One training step (forward, loss, backward), run under the tracker.
+
+This is shared by :func:`remat3d.profile` and :func:`remat3d.measure`; it decides where the
+step runs and leaves the caller's model as it found it.
+
+NOTE [ The caller's model is never changed ]
+  1. ``device="meta"``: the step runs on a structural copy whose parameters and buffers are
+     meta tensors (made without copying any weight data), so a 512³ step of any model is
+     measured without memory.
+  2. Another device than the model's: the step runs on a copy moved there.
+  3. The model's own device: the step runs on the model itself; buffers (BatchNorm running
+     statistics), ``.grad`` fields and the RNG state are restored afterwards.
+  Gradients start from ``None`` (as after ``optimizer.zero_grad(set_to_none=True)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from remat3d.errors import Remat3dError
+from remat3d.instrument.amp import MetaAutocast, amp_dtype
+from remat3d.instrument.tracker import MemoryTracker, normalize_device
+
+__all__ = ["StepSetup", "prepare_step", "run_step", "default_loss", "meta_copy"]
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """Mean of every floating-point output tensor, summed (works for tuples and dicts).
+
+    A mean keeps no activation alive for backward, so the measured step is the model's.
+    Pass ``loss_fn`` to measure a real loss (Dice + cross-entropy allocate more).
+    """
+    terms = [t.float().mean() for t in tree_leaves(output)
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not terms:
+        raise Remat3dError(
+            "The model's output has no floating-point tensor that requires grad, so there is "
+            "no backward to measure. Check that parameters require grad, or pass loss_fn."
+        )
+    return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers live on the meta device."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return None
+
+
+def _as_input(x: Any, device: str) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "meta" and device != "meta":
+            raise Remat3dError(
+                f"Input of shape {tuple(x.shape)} is on the meta device and has no data; "
+                f"a step on {device} needs real inputs. Use device='meta' or pass a tensor "
+                "(or just its shape as a tuple)."
+            )
+        y = x.detach().to(device)
+        return y.requires_grad_(x.requires_grad)
+    if isinstance(x, (tuple, list, torch.Size)) and x and all(isinstance(s, int) for s in x):
+        if device == "meta":
+            return torch.empty(tuple(x), device="meta")
+        return torch.randn(tuple(x), device=device)
+    return x
+
+
+@dataclass
+class StepSetup:
+    """Where and how a step runs."""
+
+    model: nn.Module
+    inputs: tuple
+    device: str
+    amp: torch.dtype | None
+    loss_fn: LossFn
+    in_place: bool  # the caller's own model object (restore its state afterwards)
+
+
+def prepare_step(
+    model: nn.Module,
+    inputs: Sequence[Any],
+    device: str | torch.device,
+    amp: str | None,
+    loss_fn: LossFn | None,
+) -> StepSetup:
+    if not isinstance(model, nn.Module):
+        raise Remat3dError(f"Expected a torch.nn.Module, got {type(model).__name__}.")
+    if not inputs:
+        raise Remat3dError("Pass at least one example input (a tensor or a shape tuple).")
+    try:
+        dev = normalize_device(device)
+    except (RuntimeError, AssertionError) as exc:
+        raise Remat3dError(f"Device {device!r} is not usable here: {exc}") from None
+    dtype = amp_dtype(amp)
+    model_dev = _model_device(model)
+    if dev == "meta":
+        step_model = model if model_dev is not None and model_dev.type == "meta" \
+            else meta_copy(model)
+        in_place = False
+    elif model_dev is None or str(model_dev) == dev:
+        step_model, in_place = model, True
+    else:
+        step_model, in_place = copy.deepcopy(model).to(dev), False
+    step_inputs = tuple(_as_input(x, dev) for x in inputs)
+    return StepSetup(step_model, step_inputs, dev, dtype, loss_fn or default_loss, in_place)
+
+
+@contextlib.contextmanager
+def _preserved_state(setup: StepSetup) -> Iterator[None]:
+    """Restore buffers, grads and RNG of the caller's model after an in-place step."""
+    if not setup.in_place:
+        yield
+        return
+    model = setup.model
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager:
+    if setup.amp is None:
+        return contextlib.nullcontext()
+    if setup.device == "meta":
+        return MetaAutocast(setup.amp)
+    return torch.autocast(torch.device(setup.device).type, dtype=setup.amp)
+
+
+def _forward_loss(setup: StepSetup) -> torch.Tensor:
+    with _autocast(setup):
+        output = setup.model(*setup.inputs)
+        loss = setup.loss_fn(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise Remat3dError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            + "."
+        )
+    return loss
+
+
+def run_step(setup: StepSetup, *, time_ops: bool = False) -> MemoryTracker:
+    """Run one instrumented training step; return the tracker holding what it saw."""
+    tracker = MemoryTracker(setup.device, setup.model, time_ops=time_ops)
+    with _preserved_state(setup):
+        for p in setup.model.parameters():
+            p.grad = None
+        try:
+            tracker.register_model(setup.model)
+            tracker.register(list(setup.inputs), "input")
+            with tracker:
+                loss = _forward_loss(setup)
+                tracker.mark_forward_end()
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
+            tracker.mark_gradients(list(setup.model.parameters()) + list(setup.inputs))
+        finally:
+            if tracker.invocations is not None:
+                tracker.invocations.remove()
+    return tracker
+
+
+def time_step(setup: StepSetup, repeats: int = 1) -> float:
+    """Median wall time of ``repeats`` uninstrumented steps (state restored after each)."""
+    sync = setup.device.startswith("cuda")
+    times = []
+    for _ in range(repeats):
+        with _preserved_state(setup):
+            for p in setup.model.parameters():
+                p.grad = None
+            if sync:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            _forward_loss(setup).backward()
+            if sync:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]

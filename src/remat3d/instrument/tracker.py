@@ -1,0 +1,275 @@
+"""The live-memory tracker: remat3d's single source of memory truth.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode``: it sees every aten op that runs while it
+is active (forward, backward, recomputation; on meta, cpu or cuda tensors) and keeps
+
+- live bytes per device, each storage counted once (see ``ledger.py``);
+- a timeline: one event per op with the module invocation and phase it ran in and the
+  live bytes before and after it (after = outputs allocated, inputs not yet released: the
+  op's own high-water mark);
+- the peak, split into parameters, buffers, inputs, gradients, activations saved for
+  backward and transients;
+- FLOPs per invocation and phase, and (optionally) op wall time;
+- the tensors passed between module invocations in forward (the edges of the CostGraph).
+
+What it cannot see: scratch memory a kernel allocates and frees inside one op (cuDNN/oneDNN
+workspaces, im2col buffers). That is a property of the kernel library, not of the model or
+the plan; ``reference.py`` measures it separately on CPU.
+
+>>> import torch
+>>> with MemoryTracker("meta") as tracker:
+...     x = torch.empty(1024, device="meta")   # 4 KiB
+...     y = x.view(32, 32)                     # a view: no new memory
+...     z = x * 2                              # 4 KiB more
+>>> tracker.peak_bytes
+8192
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat3d.instrument.flops import op_flops
+from remat3d.instrument.invocations import Invocation, InvocationRecorder
+from remat3d.instrument.ledger import StorageLedger, StorageRecord
+
+__all__ = ["MemoryTracker", "TimelineEvent", "EdgeRecord", "PEAK_CATEGORIES"]
+
+PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "saved", "transient")
+_CATEGORY_OF = {
+    "param": "parameters",
+    "buffer": "buffers",
+    "input": "inputs",
+    "grad": "gradients",
+    "saved": "saved",
+    "activation": "transient",
+}
+
+
+@dataclass
+class TimelineEvent:
+    """One op: where it ran and the live bytes (on the tracked device) around it."""
+
+    op: str
+    node: int | None
+    phase: str  # "forward", "backward" or "recompute"
+    live_before: int
+    live_after: int
+
+
+@dataclass
+class EdgeRecord:
+    """A tensor made by one invocation (or the model input, ``src=-1``) read by another."""
+
+    src: int
+    dst: int
+    bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def normalize_device(device: str | torch.device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track live tensor memory on one device through forward and backward.
+
+    Args:
+        device: the device whose memory is reported (``"meta"``, ``"cpu"``, ``"cuda"``).
+        model: if given, every submodule invocation is recorded (forward and recompute) and
+            ops, FLOPs, timeline events and edges are attributed to invocations.
+        time_ops: record each op's wall time (synchronising CUDA around it).
+
+    The step runner sets :attr:`phase` to ``"backward"`` before calling ``backward()`` and
+    calls :meth:`mark_forward_end` in between; both are optional for ad-hoc use.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "meta",
+        model: nn.Module | None = None,
+        *,
+        time_ops: bool = False,
+    ) -> None:
+        super().__init__()
+        self.device = normalize_device(device)
+        self.ledger = StorageLedger()
+        self.timeline: list[TimelineEvent] = []
+        self.phase = "forward"
+        self.peak_bytes = 0
+        self.peak_event: int | None = None  # None: the peak is the starting state
+        self.flops: dict[str, int] = {"forward": 0, "backward": 0, "recompute": 0}
+        self.node_flops: dict[tuple[int | None, str], int] = {}
+        self.node_seconds: dict[tuple[int | None, str], float] = {}
+        self.edges: dict[tuple[int, int], EdgeRecord] = {}
+        self.saved_records: list[StorageRecord] | None = None
+        self.forward_end_event = 0
+        self._peak_records: list[StorageRecord] = []
+        self._time_ops = time_ops
+        self._sync = self.device.startswith("cuda")
+        self.invocations: InvocationRecorder | None = None
+        if model is not None:
+            self.invocations = InvocationRecorder(
+                model, phase=lambda: self.phase, on_enter=self._enter, on_exit=self._exit
+            )
+
+    # -- state ------------------------------------------------------------------------
+    def live(self) -> int:
+        """Live bytes on the tracked device now."""
+        return self.ledger.live_bytes.get(self.device, 0)
+
+    def register(self, tensors: Any, category: str) -> None:
+        """Count tensors that exist before tracking starts (weights, buffers, inputs)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self.ledger.add(t, category, None, "setup")
+        self._update_peak(None)
+
+    def register_model(self, model: nn.Module) -> None:
+        self.register(list(model.parameters()), "param")
+        self.register(list(model.buffers()), "buffer")
+        self.register([p.grad for p in model.parameters() if p.grad is not None], "grad")
+
+    def mark_forward_end(self) -> None:
+        """Everything alive now that forward made is what the autograd graph keeps."""
+        self.saved_records = [
+            r for r in self.ledger.records.values()
+            if r.device == self.device and r.category == "activation"
+        ]
+        for record in self.saved_records:
+            record.category = "saved"
+        self.forward_end_event = len(self.timeline)
+
+    def mark_gradients(self, tensors: Any) -> None:
+        """Label the storages of final ``.grad`` tensors as gradients (for the breakdown)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and t.grad is not None:
+                record = self.ledger.lookup(t.grad)
+                if record is not None:
+                    record.category = "grad"
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(r.nbytes for r in self.saved_records or [])
+
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes live at the peak, by category (sums to :attr:`peak_bytes`)."""
+        split = dict.fromkeys(PEAK_CATEGORIES, 0)
+        for record in self._peak_records:
+            split[_CATEGORY_OF[record.category]] += record.nbytes
+        return split
+
+    # -- hooks ------------------------------------------------------------------------
+    def _enter(self, inv: Invocation) -> None:
+        inv.timeline_start = len(self.timeline)
+        inv.live_at_entry = self.live()
+
+    def _exit(self, inv: Invocation, output: Any) -> None:
+        inv.timeline_end = len(self.timeline)
+        seen: set[int] = set()
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                if inv.output_shape is None:
+                    inv.output_shape = list(t.shape)
+                    inv.output_dtype = str(t.dtype).replace("torch.", "")
+                record = self.ledger.lookup(t)
+                if record is not None and record.uid not in seen:
+                    seen.add(record.uid)
+                    inv.output_uids.append(record.uid)
+                    inv.output_bytes += record.nbytes
+
+    def _update_peak(self, event: int | None) -> None:
+        live = self.live()
+        if live > self.peak_bytes:
+            self.peak_bytes = live
+            self.peak_event = event
+            self._peak_records = [
+                r for r in self.ledger.records.values() if r.device == self.device
+            ]
+
+    def _op_phase(self) -> str:
+        if self.phase == "forward":
+            return "forward"
+        if self.invocations is not None and self.invocations._stack:
+            return "recompute"
+        return self.phase
+
+    # -- dispatch ---------------------------------------------------------------------
+    def __enter__(self) -> MemoryTracker:
+        self._update_peak(None)
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        node = self.invocations.current() if self.invocations is not None else None
+        phase = self._op_phase()
+        before = self.live()
+        if self._time_ops:
+            if self._sync:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        out = func(*args, **kwargs)
+        if self._time_ops:
+            if self._sync:
+                torch.cuda.synchronize()
+            key = (node, phase)
+            self.node_seconds[key] = self.node_seconds.get(key, 0.0) + time.perf_counter() - start
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                if self.ledger.add(t, "activation", node, phase) is None:
+                    self.ledger.refresh(t)
+        if func._schema.is_mutable:  # in-place / out= ops may have resized an argument
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self.ledger.refresh(t)
+
+        flops = op_flops(func, args, kwargs, out)
+        if flops:
+            self.flops[phase] += flops
+            key = (node, phase)
+            self.node_flops[key] = self.node_flops.get(key, 0) + flops
+
+        if phase == "forward" and node is not None:
+            self._record_edges(node, args, kwargs)
+
+        self.timeline.append(
+            TimelineEvent(str(func.__name__), node, phase, before, self.live())
+        )
+        self._update_peak(len(self.timeline) - 1)
+        return out
+
+    def _record_edges(self, node: int, args: tuple, kwargs: dict) -> None:
+        for t in tree_leaves((args, kwargs)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            record = self.ledger.lookup(t)
+            if record is None or record.category not in ("activation", "input"):
+                continue
+            src = -1 if record.category == "input" else record.producer
+            if src is None or src == node or (record.uid, node) in self.edges:
+                continue
+            self.edges[(record.uid, node)] = EdgeRecord(
+                src=src,
+                dst=node,
+                bytes=record.nbytes,
+                dtype=str(t.dtype).replace("torch.", ""),
+                shape=tuple(t.shape),
+            )
+
+    def close(self) -> None:
+        """Remove module hooks and detach from storages (call when done)."""
+        if self.invocations is not None:
+            self.invocations.remove()
+        self.ledger.close()

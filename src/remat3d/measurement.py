@@ -1,0 +1,78 @@
+"""``remat3d.measure``: what one training step really costs, recomputation included."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat3d.instrument.step import prepare_step, run_step, time_step
+
+__all__ = ["Measurement", "measure"]
+
+
+@dataclass
+class Measurement:
+    """One training step, measured.
+
+    ``peak_bytes`` is the tracker's peak of live tensor bytes on ``device``; ``flops``
+    counts everything executed (forward, backward and any recomputation);
+    ``seconds`` is the median wall time of uninstrumented steps (``None`` on meta).
+    """
+
+    device: str
+    amp: str | None
+    peak_bytes: int
+    saved_bytes: int
+    flops: int
+    forward_flops: int
+    backward_flops: int
+    recompute_flops: int
+    seconds: float | None
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+def measure(
+    model: nn.Module,
+    *inputs: Any,
+    device: str | torch.device | None = None,
+    amp: str | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    repeats: int = 1,
+) -> Measurement:
+    """Run one training step (forward, loss, backward) and measure it.
+
+    ``device`` defaults to the model's own device. The model's buffers, gradients and RNG
+    state are restored afterwards. With ``repeats > 1`` the time is the median of that many
+    steps (the first one included: call once more to exclude warm-up).
+
+    >>> import torch, remat3d
+    >>> net = torch.nn.Conv3d(1, 4, 3)
+    >>> m = remat3d.measure(net, torch.randn(1, 1, 8, 8, 8))
+    >>> m.backward_flops == m.forward_flops   # the input needs no grad: weight grad only
+    True
+    """
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else "cpu"
+    setup = prepare_step(model, inputs, device, amp, loss_fn)
+    seconds = time_step(setup, repeats) if setup.device != "meta" else None
+    tracker = run_step(setup)
+    try:
+        return Measurement(
+            device=setup.device,
+            amp=None if setup.amp is None else str(setup.amp).replace("torch.", ""),
+            peak_bytes=tracker.peak_bytes,
+            saved_bytes=tracker.saved_bytes,
+            flops=sum(tracker.flops.values()),
+            forward_flops=tracker.flops["forward"],
+            backward_flops=tracker.flops["backward"],
+            recompute_flops=tracker.flops["recompute"],
+            seconds=seconds,
+            breakdown=tracker.peak_breakdown(),
+        )
+    finally:
+        tracker.close()
