@@ -1,0 +1,91 @@
+"""An independent measure of a CPU training step's memory, to validate the tracker.
+
+The tracker follows tensor storages from Python. This module instead reads PyTorch's CPU
+allocator itself, through ``torch.profiler`` (``profile_memory=True`` records every
+allocation and free the c10 allocator makes, with its size and time).
+
+NOTE [ Comparing at operator boundaries ]
+  The allocator also sees scratch buffers a kernel allocates and frees inside one op (for
+  a 3D convolution on CPU, im2col columns of 27x the input). Those belong to the kernel
+  library, not to the model's step, and differ between CPU and GPU kernels. So the
+  comparable figure is the allocator's live bytes sampled at the end of every top-level
+  aten op (scratch already freed, outputs allocated, inputs not yet released) — exactly the
+  points at which the tracker samples. The raw allocator peak, scratch included, is
+  reported beside it as ``allocator_peak_bytes``.
+  Tensors that exist before the step (weights, buffers, inputs) allocate nothing during it;
+  their bytes are added from the tensors themselves, deduplicated by data pointer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+from remat3d.errors import Remat3dError
+from remat3d.instrument.step import StepSetup, _forward_loss, _preserved_state
+
+__all__ = ["AllocatorMeasure", "allocator_measure"]
+
+
+@dataclass
+class AllocatorMeasure:
+    """Peak bytes of one CPU step as the allocator saw them."""
+
+    peak_bytes: int  # resident before the step + allocator peak at op boundaries
+    allocator_peak_bytes: int  # resident + allocator peak including in-kernel scratch
+    resident_bytes: int  # weights, buffers, inputs (alive before the step)
+    end_bytes: int  # resident + what the step left allocated (gradients)
+
+
+def _resident_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def allocator_measure(setup: StepSetup) -> AllocatorMeasure:
+    """Run one step of ``setup`` on CPU under the profiler's allocator trace."""
+    if setup.device != "cpu":
+        raise Remat3dError(
+            f"The allocator reference runs on CPU only; this step is on {setup.device}."
+        )
+    with _preserved_state(setup):
+        for p in setup.model.parameters():
+            p.grad = None
+        tensors: list[Any] = [*setup.model.parameters(), *setup.model.buffers()]
+        tensors += [x for x in setup.inputs if isinstance(x, torch.Tensor)]
+        resident = _resident_bytes(tensors)
+        with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _forward_loss(setup).backward()
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    allocations = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"
+    )
+    ops = sorted(
+        (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("aten::")
+    )
+    times = [t for t, _ in allocations]
+    live = list(itertools.accumulate(b for _, b in allocations))
+    raw_peak = max([0, *live])
+    boundary_peak, top_end = 0, -1
+    for start, end in ops:
+        if start < top_end:  # nested inside the previous top-level op
+            continue
+        top_end = end
+        k = bisect.bisect_right(times, end)
+        if k:
+            boundary_peak = max(boundary_peak, live[k - 1])
+    return AllocatorMeasure(
+        peak_bytes=resident + boundary_peak,
+        allocator_peak_bytes=resident + raw_peak,
+        resident_bytes=resident,
+        end_bytes=resident + (live[-1] if live else 0),
+    )

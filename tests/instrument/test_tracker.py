@@ -1,0 +1,156 @@
+"""The tracker: storages counted once, frees subtracted, backward and modules attributed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from remat3d.instrument.ledger import allocation_bytes
+from remat3d.instrument.tracker import PEAK_CATEGORIES, MemoryTracker
+
+
+def test_views_share_storage_and_cost_nothing():
+    with MemoryTracker("meta") as tr:
+        x = torch.empty(1024, device="meta")
+        live = tr.live()
+        views = [x.view(32, 32), x[::2], x.reshape(4, 256), x.t() if x.dim() == 2 else x,
+                 x.detach(), x.unsqueeze(0).expand(3, 1024), x.as_strided((10,), (2,))]
+        assert tr.live() == live == 4096
+        del views
+
+
+def test_inplace_ops_allocate_nothing():
+    with MemoryTracker("cpu") as tr:
+        x = torch.zeros(256)
+        before = tr.live()
+        x.add_(1)
+        torch.relu_(x)
+        x.mul_(2).clamp_(max=3)
+        assert tr.live() == before
+
+
+def test_freed_tensors_are_subtracted_and_peak_is_kept():
+    with MemoryTracker("meta") as tr:
+        a = torch.empty(1000, device="meta")
+        b = torch.empty(1000, device="meta")
+        assert tr.live() == 8000
+        del a
+        assert tr.live() == 4000
+        c = b + 1
+        del b, c
+        assert tr.live() == 0
+    assert tr.peak_bytes == 8000
+
+
+def test_resized_storage_is_reread():
+    with MemoryTracker("cpu") as tr:
+        x = torch.empty(0)
+        x.resize_(100)
+        assert tr.live() == 400
+        y = torch.empty(0)
+        torch.add(torch.ones(200), 1, out=y)  # an out= op grows its argument's storage
+        assert tr.live() == 400 + 800  # the temporary ones(200) is already freed
+
+
+def test_devices_are_tracked_separately():
+    with MemoryTracker("meta") as tr:
+        a = torch.empty(100, device="meta")
+        b = torch.empty(100)  # cpu: not the tracked device
+        assert tr.live() == 400
+        assert tr.ledger.live_bytes["cpu"] == 400
+        del a, b
+
+
+def test_cuda_allocations_round_to_blocks():
+    assert allocation_bytes(1, "cuda") == 512
+    assert allocation_bytes(513, "cuda") == 1024
+    assert allocation_bytes(513, "cpu") == 513
+
+
+class TwoCalls(nn.Module):
+    """One conv module called twice, and a functional op in the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 2, 3, padding=1)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.conv(self.conv(x)) * 2)
+
+
+def _step(model, x, device="cpu"):
+    tr = MemoryTracker(device, model)
+    tr.register_model(model)
+    tr.register(x, "input")
+    with tr:
+        loss = model(x).sum()
+        tr.mark_forward_end()
+        tr.phase = "backward"
+        loss.backward()
+        del loss
+    tr.mark_gradients(list(model.parameters()))
+    tr.invocations.remove()
+    return tr
+
+
+def test_invocations_forward_and_backward_attribution():
+    model = TwoCalls()
+    x = torch.randn(1, 2, 8, 8, 8, requires_grad=True)
+    tr = _step(model, x)
+    invs = tr.invocations.invocations
+    assert [(i.name, i.call_index) for i in invs] == [
+        ("", 0), ("conv", 0), ("conv", 1), ("act", 0)]
+    assert invs[1].parent == 0 and invs[2].parent == 0 and invs[1].depth == 1
+    conv_ids = {1, 2}
+    fwd = [e for e in tr.timeline if e.phase == "forward" and e.op.startswith("convolution")]
+    assert {e.node for e in fwd} == conv_ids
+    bwd = [e for e in tr.timeline if e.phase == "backward" and "convolution_backward" in e.op]
+    assert len(bwd) == 2 and {e.node for e in bwd} == conv_ids
+    # the functional multiply in the parent's forward belongs to the parent
+    assert any(e.node == 0 and e.op.startswith("mul") for e in tr.timeline)
+    # each conv call's forward and backward FLOPs are its own
+    assert tr.node_flops[(1, "forward")] == tr.node_flops[(2, "forward")] > 0
+    assert tr.node_flops[(1, "backward")] == 2 * tr.node_flops[(1, "forward")]
+
+
+def test_breakdown_sums_to_peak_and_labels_gradients():
+    model = TwoCalls()
+    x = torch.randn(1, 2, 8, 8, 8)
+    tr = _step(model, x)
+    split = tr.peak_breakdown()
+    assert set(split) == set(PEAK_CATEGORIES)
+    assert sum(split.values()) == tr.peak_bytes
+    assert split["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    assert split["inputs"] == x.numel() * 4
+    # after backward the live gradients are exactly the parameters' .grad tensors
+    grads = [tr.ledger.lookup(p.grad) for p in model.parameters()]
+    assert all(g is not None and g.category == "grad" for g in grads)
+
+
+def test_saved_bytes_are_what_autograd_keeps():
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU())
+    x = torch.randn(1, 1, 8, 8, 8)
+    tr = _step(model, x)
+    relu_out = 4 * 8**3 * 4  # ReLU saves its result; conv saves x and weight (not counted)
+    loss = 4
+    assert tr.saved_bytes == relu_out + loss
+
+
+def test_recomputation_is_its_own_phase():
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU())
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    model = Ckpt()
+    x = torch.randn(1, 1, 8, 8, 8, requires_grad=True)
+    tr = _step(model, x)
+    recomputed = [i for i in tr.invocations.invocations if i.phase == "recompute"]
+    assert [i.name for i in recomputed] == ["block", "block.0", "block.1"]
+    assert tr.flops["recompute"] == tr.flops["forward"] > 0
+    assert any(e.phase == "recompute" for e in tr.timeline)
