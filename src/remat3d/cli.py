@@ -117,9 +117,11 @@ def _print_profile(prof: Any, model: str, top: int) -> None:
 
     modules = Table(title=f"Top {top} modules by bytes saved for backward",
                     title_justify="left")
-    for col, justify in (("module", "left"), ("type", "left"), ("output", "left"),
-                         ("saved", "right"), ("fwd GFLOP", "right")):
-        modules.add_column(col, justify=justify)  # type: ignore[arg-type]
+    modules.add_column("module", overflow="fold", min_width=24)
+    modules.add_column("type")
+    modules.add_column("output", no_wrap=True)
+    modules.add_column("saved", justify="right", no_wrap=True)
+    modules.add_column("fwd GFLOP", justify="right", no_wrap=True)
     for row in module_table(g, top):
         modules.add_row(row["label"], row["type"], row["output"],
                         format_bytes(row["saved_bytes"]), f"{row['fwd_flops'] / 1e9:,.1f}")

@@ -18,6 +18,14 @@ NOTE [ Why a function mode and not a dispatch mode ]
   autograd; a ``TorchDispatchMode`` would sit below it and produce a wrong backward.
   Like CUDA autocast, casts of leaf tensors that require grad (the weights) are cached for
   the life of the context, so each weight is cast once per forward.
+
+NOTE [ Python-level wrappers ]
+  A function mode sees a Python wrapper such as ``F.interpolate`` but not the builtin it
+  calls inside (the mode is paused while it handles a call). Autocast, in the dispatcher,
+  sees the inner op. ``PYTHON_WRAPPERS`` maps the wrappers whose inner op is on a list to
+  that list, so ``F.interpolate`` runs in fp32 like ``upsample_trilinear3d`` on CUDA.
+  Builtin composites whose inner ops are listed (``cross_entropy_loss`` -> ``log_softmax``)
+  are treated the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["MetaAutocast", "LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS",
-           "PROMOTE_OPS", "amp_dtype"]
+           "PROMOTE_OPS", "PYTHON_WRAPPERS", "amp_dtype"]
 
 LOWER_PRECISION_OPS = frozenset({
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -60,6 +68,15 @@ PROMOTE_OPS = frozenset({
     "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
     "index_put", "tensordot", "scatter_add",
 })
+
+# wrapper name -> the list its inner op is on (see NOTE [ Python-level wrappers ])
+PYTHON_WRAPPERS = {
+    "interpolate": "fp32",  # upsample_* (mode="area" is adaptive_avg_pool: not listed)
+    "upsample": "fp32",
+    "cross_entropy": "fp32",  # log_softmax + nll_loss
+    "cross_entropy_loss": "fp32",
+    "binary_cross_entropy_with_logits": "fp32",
+}
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
@@ -129,6 +146,8 @@ class MetaAutocast(TorchFunctionMode):
         elif name in FP32_OPS:
             target = torch.float32
         elif name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None:
+            target = torch.float32
+        elif PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area":
             target = torch.float32
         elif name in PROMOTE_OPS:
             dtypes = [x.dtype for x in tree_leaves((args, kwargs)) if _eligible(x)]

@@ -161,7 +161,16 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager:
 def _forward_loss(setup: StepSetup) -> torch.Tensor:
     with _autocast(setup):
         output = setup.model(*setup.inputs)
-        loss = setup.loss_fn(output)
+        try:
+            loss = setup.loss_fn(output)
+        except RuntimeError as exc:
+            if setup.device == "meta" and "meta" in str(exc):
+                raise Remat3dError(
+                    "loss_fn mixed the model's meta-device output with real tensors "
+                    f"({exc}). On device='meta', make the tensors it uses (targets) meta "
+                    "too, e.g. target.to('meta'), or profile on device='cpu'."
+                ) from exc
+            raise
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise Remat3dError(
             f"loss_fn must return a scalar tensor, got {type(loss).__name__}"

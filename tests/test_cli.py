@@ -1,0 +1,73 @@
+"""The command line: tables for people, JSON for machines, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from remat3d.cli import app
+
+runner = CliRunner()
+
+
+def test_help_lists_profile():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0 and "profile" in result.output
+    result = runner.invoke(app, ["profile", "--help"])
+    assert result.exit_code == 0 and "--input" in result.output and "--json" in result.output
+
+
+def test_profile_preset_prints_tables_and_writes_json(tmp_path):
+    out = tmp_path / "prof.json"
+    result = runner.invoke(app, ["profile", "nnunet", "--input", "1x1x64x64x64",
+                                 "--amp", "bf16", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("peak", "saved", "Top 12 modules", "resolution level", "64x64x64"):
+        assert text in result.output
+    data = json.loads(out.read_text())
+    assert data["amp"] == "bf16" and data["input_shapes"] == [[1, 1, 64, 64, 64]]
+    assert data["peak_bytes"] > data["saved_bytes"] > 0
+
+
+def test_profile_json_to_stdout():
+    result = runner.invoke(app, ["profile", "segresnet", "--input", "1x1x16x16x16",
+                                 "--json", "-"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["nodes"]
+
+
+def test_profile_class_spec_with_kwargs():
+    result = runner.invoke(app, ["profile", "torch.nn:Conv3d", "--input", "1x1x8x8x8",
+                                 "--model-kwargs", '{"in_channels": 1, "out_channels": 2, '
+                                 '"kernel_size": 3}'])
+    assert result.exit_code == 0, result.output
+    assert "Conv3d" in result.output
+
+
+def test_profile_model_file(tmp_path):
+    spec = tmp_path / "net.py"
+    spec.write_text("import torch\n\ndef build_model(width=4):\n"
+                    "    return torch.nn.Sequential(torch.nn.Conv3d(1, width, 3), "
+                    "torch.nn.ReLU())\n")
+    result = runner.invoke(app, ["profile", str(spec), "--input", "1x1x8x8x8",
+                                 "--model-kwargs", "width: 8"])
+    assert result.exit_code == 0, result.output
+    assert "1x8x6x6x6" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "nnuet"], "Did you mean 'nnunet'"),
+    (["profile", "nnunet", "--input", "1x1xfoo"], "Cannot read '1x1xfoo' as an input shape"),
+    (["profile", "nnunet", "--input", "1x1x100x128x128"], "Pad to 1x1x128x128x128"),
+    (["profile", "no_such_pkg.mod:Net"], "Cannot import module 'no_such_pkg.mod'"),
+    (["profile", "nnunet", "--amp", "fp8", "--input", "1x1x64x64x64"], "none, bf16, fp16"),
+    (["profile", "nnunet", "--model-kwargs", "[1, 2]"], "mapping"),
+])
+def test_user_errors_are_one_clear_line(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "error:" in text and message in text
+    assert "Traceback" not in result.output
