@@ -40,8 +40,8 @@ def test_profile_json_to_stdout():
 
 def test_profile_class_spec_with_kwargs():
     result = runner.invoke(app, ["profile", "torch.nn:Conv3d", "--input", "1x1x8x8x8",
-                                 "--model-kwargs", '{"in_channels": 1, "out_channels": 2, '
-                                 '"kernel_size": 3}'])
+                                 "--model-kwargs",
+                                 '{"in_channels": 1, "out_channels": 2, "kernel_size": 3}'])
     assert result.exit_code == 0, result.output
     assert "Conv3d" in result.output
 

@@ -8,10 +8,10 @@ traceback; library callers can catch the one base class.
 from __future__ import annotations
 
 __all__ = [
-    "Remat3dError",
-    "ModelSpecError",
-    "InputShapeError",
     "BudgetError",
+    "InputShapeError",
+    "ModelSpecError",
+    "Remat3dError",
 ]
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Node", "Edge", "CostGraph", "GRAPH_SCHEMA", "atomic_write_text"]
+__all__ = ["GRAPH_SCHEMA", "CostGraph", "Edge", "Node", "atomic_write_text"]
 
 GRAPH_SCHEMA = "remat3d.costgraph/1"
 

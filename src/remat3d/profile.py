@@ -17,7 +17,7 @@ from remat3d.instrument.step import prepare_step, run_step
 from remat3d.instrument.tracker import MemoryTracker
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["Profile", "profile", "graph_from_tracker"]
+__all__ = ["Profile", "graph_from_tracker", "profile"]
 
 PROFILE_SCHEMA = "remat3d.profile/1"
 
@@ -61,6 +61,10 @@ class Profile:
         return str(self.timeline[self.peak_event]["phase"])
 
     @property
+    def peak_where(self) -> str:
+        return f"in {self.peak_phase}, at {self.peak_node}"
+
+    @property
     def peak_node(self) -> str:
         """The module invocation running when the peak was reached."""
         if self.peak_event is None:
@@ -94,15 +98,13 @@ class Profile:
 
     def summary(self) -> str:
         g = self.graph
+        shapes = " ".join(format_shape(s) for s in g.input_shapes)
         lines = [
-            f"{g.model} {' '.join(format_shape(s) for s in g.input_shapes)} "
-            f"on {g.device}, amp={g.amp or 'none'}",
-            f"  peak        {format_bytes(self.peak_bytes)} (in {self.peak_phase}, "
-            f"at {self.peak_node})",
+            f"{g.model} {shapes} on {g.device}, amp={g.amp or 'none'}",
+            f"  peak        {format_bytes(self.peak_bytes)} ({self.peak_where})",
             f"  saved       {format_bytes(self.saved_bytes)} for backward",
             f"  parameters  {format_bytes(self.param_bytes)}",
-            f"  FLOPs       {self.flops / 1e12:.3f} T "
-            f"(forward {g.forward_flops / 1e12:.3f} T)",
+            f"  FLOPs       {self.flops / 1e12:.3f} T (forward {g.forward_flops / 1e12:.3f} T)",
         ]
         return "\n".join(lines)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from remat3d.graph import CostGraph
 
-__all__ = ["module_table", "level_table"]
+__all__ = ["level_table", "module_table"]
 
 
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -19,7 +19,7 @@ def module_table(graph: CostGraph, top: int = 12) -> list[dict[str, Any]]:
     U-Net decoder block's concatenation with the skip connection) is listed as
     ``name (own ops)``. The rows of all invocations sum to the step's ``saved_bytes``.
     """
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "label": n.label if n.is_leaf else f"{n.label} (own ops)",
             "type": n.module_type,

@@ -16,7 +16,7 @@ import re
 
 from remat3d.errors import BudgetError, InputShapeError
 
-__all__ = ["parse_bytes", "format_bytes", "parse_shape", "format_shape"]
+__all__ = ["format_bytes", "format_shape", "parse_bytes", "parse_shape"]
 
 _UNITS = {
     "": 1,
@@ -52,7 +52,7 @@ def parse_bytes(text: str | int) -> int:
             "'500MB', '1.5G', or a plain integer of bytes."
         )
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    return int(round(value))
+    return round(value)
 
 
 def format_bytes(n: float) -> str:

@@ -80,7 +80,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SpatialSize = tuple[int, int, int]
+SpatialSize = tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["MetaAutocast", "LOWER_PRECISION_OPS", "FP32_OPS", "FP32_SET_OPT_DTYPE_OPS",
-           "PROMOTE_OPS", "PYTHON_WRAPPERS", "amp_dtype"]
+__all__ = [
+    "FP32_OPS",
+    "FP32_SET_OPT_DTYPE_OPS",
+    "LOWER_PRECISION_OPS",
+    "PROMOTE_OPS",
+    "PYTHON_WRAPPERS",
+    "MetaAutocast",
+    "amp_dtype",
+]
 
 LOWER_PRECISION_OPS = frozenset({
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -143,11 +150,7 @@ class MetaAutocast(TorchFunctionMode):
         target: torch.dtype | None = None
         if name in LOWER_PRECISION_OPS:
             target = self.dtype
-        elif name in FP32_OPS:
-            target = torch.float32
-        elif name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None:
-            target = torch.float32
-        elif PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area":
+        elif name in FP32_OPS or name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None or PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area":
             target = torch.float32
         elif name in PROMOTE_OPS:
             dtypes = [x.dtype for x in tree_leaves((args, kwargs)) if _eligible(x)]
@@ -157,7 +160,7 @@ class MetaAutocast(TorchFunctionMode):
             args, kwargs = tree_map(lambda x: self._cast(x, target), (args, kwargs))
         return func(*args, **kwargs)
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Any:
         self._cache.clear()
         return super().__exit__(*exc)
 

@@ -31,7 +31,7 @@ from remat3d.errors import Remat3dError
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.tracker import MemoryTracker, normalize_device
 
-__all__ = ["StepSetup", "prepare_step", "run_step", "default_loss", "meta_copy"]
+__all__ = ["StepSetup", "default_loss", "meta_copy", "prepare_step", "run_step"]
 
 LossFn = Callable[[Any], torch.Tensor]
 

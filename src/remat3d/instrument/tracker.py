@@ -40,7 +40,7 @@ from remat3d.instrument.flops import op_flops
 from remat3d.instrument.invocations import Invocation, InvocationRecorder
 from remat3d.instrument.ledger import StorageLedger, StorageRecord
 
-__all__ = ["MemoryTracker", "TimelineEvent", "EdgeRecord", "PEAK_CATEGORIES"]
+__all__ = ["PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
 
 PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "saved", "transient")
 _CATEGORY_OF = {
@@ -206,9 +206,10 @@ class MemoryTracker(TorchDispatchMode):
         return self.phase
 
     # -- dispatch ---------------------------------------------------------------------
-    def __enter__(self) -> MemoryTracker:
+    def __enter__(self) -> MemoryTracker:  # noqa: PYI034 (a mode, not subclassed)
         self._update_peak(None)
-        return super().__enter__()  # type: ignore[return-value]
+        super().__enter__()
+        return self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -227,9 +228,8 @@ class MemoryTracker(TorchDispatchMode):
             self.node_seconds[key] = self.node_seconds.get(key, 0.0) + time.perf_counter() - start
 
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                if self.ledger.add(t, "activation", node, phase) is None:
-                    self.ledger.refresh(t)
+            if isinstance(t, torch.Tensor) and self.ledger.add(t, "activation", node, phase) is None:
+                self.ledger.refresh(t)
         if func._schema.is_mutable:  # in-place / out= ops may have resized an argument
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):

@@ -22,7 +22,7 @@ from remat3d.graph import atomic_write_text
 from remat3d.instrument.reference import allocator_measure
 from remat3d.instrument.step import _forward_loss, _preserved_state, prepare_step, run_step
 
-__all__ = ["ValidationRow", "validate_preset", "main"]
+__all__ = ["ValidationRow", "main", "validate_preset"]
 
 
 @dataclass
@@ -46,8 +46,8 @@ def validate_preset(name: str, size: int = 32) -> ValidationRow:
     ``size`` is rounded up to the preset's divisibility rule and minimum size.
     """
     preset = zoo.get_preset(name)
-    shape = zoo.smallest_input_shape(preset)
-    shape = zoo.legal_shape(preset, (*shape[:2], size, size, size))
+    smallest = zoo.smallest_input_shape(preset)
+    shape = zoo.legal_shape(preset, (*smallest[:2], size, size, size))
     torch.manual_seed(0)
     model = zoo.build_model(preset.name, spatial_size=tuple(shape[2:]))
     x = torch.randn(shape)
