@@ -1,0 +1,174 @@
+"""Plan: what to recompute, offload or store in lower precision — plain, versioned data.
+
+A plan names regions of a model by module qualified name (and, optionally, which calls of
+that module), never by Python object, so it can be saved, inspected, diffed and applied to
+a freshly built model. It imports no torch.
+
+>>> plan = Plan(regions=[Region("encoder.0"), Region("decoder", decision="offload")])
+>>> Plan.from_dict(plan.to_dict()) == plan
+True
+>>> print(plan.summary().splitlines()[0])
+remat3d plan: 2 regions (1 recompute, 1 offload)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from remat3d.errors import Remat3dError
+from remat3d.graph import atomic_write_text
+from remat3d.units import format_bytes
+
+__all__ = ["Plan", "Region", "DECISIONS", "PLAN_SCHEMA", "PlanError"]
+
+PLAN_SCHEMA = "remat3d.plan/1"
+DECISIONS = ("recompute", "offload", "keep")
+
+
+class PlanError(Remat3dError, ValueError):
+    """A plan is malformed, from an unknown schema, or does not fit the model."""
+
+
+@dataclass
+class Region:
+    """One region of the model whose saved activations are handled differently.
+
+    Attributes:
+        module: qualified name of the module ("" is the whole model).
+        calls: which invocations of that module in one forward (0-based); ``None``: all.
+        segment: for an ``nn.Sequential``, the names of a contiguous run of its children
+            that forms the region (``["2", "3", "4"]``); ``None``: the whole module.
+        decision: ``"recompute"`` (checkpoint: keep only the inputs, recompute in backward),
+            ``"offload"`` (run normally, move saved tensors to host memory), or ``"keep"``
+            (run normally; only meaningful with ``storage_dtype``).
+        policy: op-level policy inside a recompute region: ``"recompute-all"`` (default),
+            ``"save-compute-heavy"``, ``"save-norm-and-pool"``, or a list of aten op names
+            to keep (``["convolution", "mm"]``).
+        storage_dtype: store saved tensors of an offload/keep region in this dtype
+            (``"bfloat16"``): halves their bytes, and is the one choice that changes the
+            gradients (rounding), so it is never made unless asked for.
+    """
+
+    module: str
+    calls: list[int] | None = None
+    segment: list[str] | None = None
+    decision: str = "recompute"
+    policy: str | list[str] | None = None
+    storage_dtype: str | None = None
+
+    @property
+    def label(self) -> str:
+        name = self.module or "(model)"
+        if self.segment:
+            name += f"[{self.segment[0]}..{self.segment[-1]}]"
+        if self.calls is not None:
+            name += "#" + ",".join(map(str, self.calls))
+        return name
+
+    def check(self) -> None:
+        if self.decision not in DECISIONS:
+            raise PlanError(
+                f"Region {self.label}: unknown decision {self.decision!r}; "
+                f"use one of {', '.join(DECISIONS)}."
+            )
+        if self.policy is not None and self.decision != "recompute":
+            raise PlanError(
+                f"Region {self.label}: an op policy only applies to decision 'recompute', "
+                f"not {self.decision!r}."
+            )
+        if self.calls is not None and any((not isinstance(c, int)) or c < 0 for c in self.calls):
+            raise PlanError(f"Region {self.label}: calls must be non-negative integers.")
+
+
+@dataclass
+class Plan:
+    """Regions plus what the plan was made for and what it predicts."""
+
+    regions: list[Region] = field(default_factory=list)
+    model: str = ""
+    model_fingerprint: str | None = None
+    input_shapes: list[list[int]] = field(default_factory=list)
+    amp: str | None = None
+    budget_bytes: int | None = None
+    strategy: str = "manual"
+    offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
+    host_budget_bytes: int | None = None  # None: no limit on host memory for offload
+    predicted_peak_bytes: int | None = None
+    verified_peak_bytes: int | None = None
+    recompute_flops: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]
+        for region in self.regions:
+            region.check()
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["schema"] = PLAN_SCHEMA
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        schema = data.get("schema")
+        if schema != PLAN_SCHEMA:
+            raise PlanError(
+                f"Unsupported plan schema {schema!r}; this remat3d reads {PLAN_SCHEMA!r}. "
+                "Re-create the plan with this version (remat3d plan ...)."
+            )
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names - {"schema"})
+        if unknown:
+            raise PlanError(f"Unknown plan field(s): {', '.join(unknown)}.")
+        region_names = {f.name for f in fields(Region)}
+        regions = []
+        for r in data.get("regions", []):
+            extra = sorted(set(r) - region_names)
+            if extra:
+                raise PlanError(f"Unknown region field(s): {', '.join(extra)}.")
+            regions.append(Region(**r))
+        return cls(**{**{k: v for k, v in data.items() if k in names}, "regions": regions})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanError(f"Plan file {str(path)!r} does not exist.") from None
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"Plan file {str(path)!r} is not valid JSON: {exc}.") from None
+        return cls.from_dict(data)
+
+    # -- text ---------------------------------------------------------------------------
+    def summary(self) -> str:
+        counts = {d: sum(r.decision == d for r in self.regions) for d in DECISIONS}
+        parts = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
+        lines = [f"remat3d plan: {len(self.regions)} regions ({parts or 'none'})"]
+        if self.model:
+            shapes = " ".join("x".join(map(str, s)) for s in self.input_shapes)
+            lines.append(f"  made for {self.model} {shapes} amp={self.amp or 'none'} "
+                         f"strategy={self.strategy}")
+        if self.budget_bytes is not None:
+            lines.append(f"  budget {format_bytes(self.budget_bytes)}")
+        for label, value in (("predicted peak", self.predicted_peak_bytes),
+                             ("verified peak", self.verified_peak_bytes)):
+            if value is not None:
+                lines.append(f"  {label} {format_bytes(value)}")
+        if self.recompute_flops is not None:
+            lines.append(f"  recompute {self.recompute_flops / 1e12:.3f} TFLOP")
+        for region in self.regions:
+            extra = ""
+            if region.policy:
+                extra += f" policy={region.policy}"
+            if region.storage_dtype:
+                extra += f" storage={region.storage_dtype}"
+            lines.append(f"  - {region.decision:9s} {region.label}{extra}")
+        return "\n".join(lines)

@@ -1,0 +1,325 @@
+"""``remat3d.apply`` / ``remat3d.remove``: install a Plan on a live model, and undo it.
+
+NOTE [ Installing a plan without changing the model ]
+  1. A region's module gets an instance attribute ``forward`` that wraps the class's
+     forward; ``nn.Module.__call__`` (and so every hook) is untouched, and nothing is added
+     to the module tree, so ``state_dict()`` keys, ``named_parameters()`` and parameter
+     identity stay as they were. ``remove`` deletes the attribute (or puts back an instance
+     ``forward`` the user had set).
+  2. Calls are counted per module within one forward of the model, to pick the invocations
+     a region names; a forward pre-hook on the model resets the counts. A recomputation
+     replays the counts its region saw in forward, so nested regions pick the same calls.
+  3. The plan's model fingerprint (module names, types, parameter shapes) must match, so a
+     plan made for another model is refused instead of silently checkpointing nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat3d.plan import Plan, PlanError, Region
+from remat3d.runtime.offload import HostUsage, OffloadHooks
+from remat3d.runtime.region import RegionStats, _checkpoint
+from remat3d.runtime.state import is_recomputing, register_module_names
+
+__all__ = ["apply", "remove", "model_fingerprint", "applied_state", "AppliedPlan"]
+
+_STATE_ATTR = "_remat3d_applied"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the module tree: names, types and parameter shapes."""
+    digest = hashlib.sha256()
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{type(module).__name__};".encode())
+        for pname, p in module.named_parameters(recurse=False):
+            digest.update(f"{pname}{tuple(p.shape)};".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class _SavedLog:
+    """Tensors autograd saved outside every region during the last forward, by module."""
+
+    by_module: dict[str, int] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)
+
+
+@dataclass
+class AppliedPlan:
+    """What ``apply`` installed on a model (kept on the model until ``remove``)."""
+
+    model: nn.Module
+    plan: Plan
+    stats: dict[str, RegionStats]
+    host: HostUsage
+    calls: dict[str, int] = field(default_factory=dict)
+    saved: _SavedLog = field(default_factory=_SavedLog)
+    originals: dict[str, Any] = field(default_factory=dict)  # module name -> instance forward
+    handles: list[Any] = field(default_factory=list)
+    group: int = 0
+    prefetch: dict[int, list[Any]] = field(default_factory=dict)
+
+
+def applied_state(model: nn.Module) -> AppliedPlan | None:
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Install ``plan`` on ``model`` (in place) and return the same model object.
+
+    >>> import torch, remat3d
+    >>> net = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3), torch.nn.ReLU())
+    >>> plan = remat3d.Plan(regions=[remat3d.Region("0")])
+    >>> remat3d.apply(net, plan) is net
+    True
+    >>> list(net.state_dict()) == ["0.weight", "0.bias"]
+    True
+    >>> remat3d.remove(net)
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"apply() needs a remat3d.Plan, got {type(plan).__name__}.")
+    if applied_state(model) is not None:
+        raise PlanError(
+            f"A plan is already applied to this {type(model).__name__}. Call "
+            "remat3d.remove(model) before applying another."
+        )
+    fingerprint = model_fingerprint(model)
+    if plan.model_fingerprint is not None and plan.model_fingerprint != fingerprint:
+        raise PlanError(
+            f"This plan was made for another model ({plan.model or 'unknown'}, fingerprint "
+            f"{plan.model_fingerprint}); this {type(model).__name__} has fingerprint "
+            f"{fingerprint}. Make a plan for this model (remat3d.plan(model, ...))."
+        )
+    modules = dict(model.named_modules())
+    by_module: dict[str, list[Region]] = {}
+    for region in plan.regions:
+        _check_region(region, modules)
+        by_module.setdefault(region.module, []).append(region)
+
+    state = AppliedPlan(
+        model=model, plan=plan,
+        stats={r.label: RegionStats(r.label, r.decision) for r in plan.regions},
+        host=HostUsage(budget_bytes=plan.host_budget_bytes),
+    )
+    register_module_names(model)
+    for name, regions in by_module.items():
+        module = modules[name]
+        state.originals[name] = module.__dict__.get("forward")
+        original = module.forward
+        object.__setattr__(module, "forward", _PlannedForward(state, name, module, original,
+                                                              regions))
+    state.handles.append(model.register_forward_pre_hook(_start_step(state)))
+    state.handles.append(model.register_forward_pre_hook(_start_log(state)))
+    state.handles.append(model.register_forward_hook(_stop_log(state), always_call=True))
+    model.__dict__[_STATE_ATTR] = state
+    return model
+
+
+def remove(model: nn.Module) -> None:
+    """Undo ``apply``: the model's forwards are exactly as they were before."""
+    state = applied_state(model)
+    if state is None:
+        raise PlanError("No remat3d plan is applied to this model; nothing to remove.")
+    modules = dict(model.named_modules())
+    for name, original in state.originals.items():
+        module = modules[name]
+        if original is None:
+            module.__dict__.pop("forward", None)
+        else:
+            object.__setattr__(module, "forward", original)
+    for handle in state.handles:
+        handle.remove()
+    del model.__dict__[_STATE_ATTR]
+
+
+def _check_region(region: Region, modules: dict[str, nn.Module]) -> None:
+    if region.module not in modules:
+        close = difflib.get_close_matches(region.module, list(modules), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise PlanError(
+            f"Plan region {region.label} names module '{region.module}', which this model "
+            f"does not have.{hint}"
+        )
+    if region.segment:
+        module = modules[region.module]
+        if not isinstance(module, nn.Sequential):
+            raise PlanError(
+                f"Plan region {region.label}: a segment needs an nn.Sequential, but "
+                f"'{region.module}' is a {type(module).__name__}. Make one region per child "
+                "module instead."
+            )
+        names = list(module._modules)
+        try:
+            start = names.index(region.segment[0])
+        except ValueError:
+            start = -1
+        if start < 0 or names[start:start + len(region.segment)] != list(region.segment):
+            raise PlanError(
+                f"Plan region {region.label}: {region.segment} is not a contiguous run of "
+                f"the children of '{region.module}' ({', '.join(names)})."
+            )
+
+
+def _start_step(state: AppliedPlan) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        if is_recomputing():
+            return
+        state.calls.clear()
+        state.group = 0
+        state.prefetch.clear()
+        for stats in state.stats.values():
+            stats.reset()
+        state.saved = _SavedLog()
+
+    return hook
+
+
+class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
+    """Note which module saves what outside regions (for ``report``); keeps the tensor."""
+
+    def __init__(self, state: AppliedPlan) -> None:
+        from remat3d.runtime.guards import ModuleStack
+
+        self.state = state
+        self.modules = ModuleStack()
+        self.params = {id(p.untyped_storage()) for p in state.model.parameters()}
+        super().__init__(self._pack, _identity)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = id(t.untyped_storage())
+        log = self.state.saved
+        if key not in self.params and key not in log.seen:
+            log.seen.add(key)
+            name = self.modules.current()
+            log.by_module[name] = log.by_module.get(name, 0) + t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> Any:
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _start_log(state: AppliedPlan) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        if not is_recomputing() and torch.is_grad_enabled():
+            logger = _LogSaved(state)
+            logger.__enter__()
+            state.__dict__["_logger"] = logger
+
+    return hook
+
+
+def _stop_log(state: AppliedPlan) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        logger = state.__dict__.pop("_logger", None)
+        if logger is not None:
+            logger.__exit__(None, None, None)
+
+    return hook
+
+
+class _PlannedForward:
+    """The ``forward`` installed on a region's module (see NOTE rules 1 and 2)."""
+
+    def __init__(self, state: AppliedPlan, name: str, module: nn.Module,
+                 original: Callable[..., Any], regions: list[Region]) -> None:
+        self.state = state
+        self.name = name
+        self.module = module
+        self.original = original
+        self.whole = [r for r in regions if not r.segment]
+        self.segments = [r for r in regions if r.segment]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        index = self.state.calls.get(self.name, 0)
+        self.state.calls[self.name] = index + 1
+        region = next((r for r in self.whole if r.calls is None or index in r.calls), None)
+        segments = [r for r in self.segments if r.calls is None or index in r.calls]
+        if region is not None:
+            inner = self._sequential(segments) if segments else self.original
+            return self._run(region, inner, args, kwargs)
+        if segments:
+            return self._sequential(segments)(*args, **kwargs)
+        return self.original(*args, **kwargs)
+
+    def _run(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        state = self.state
+        stats = state.stats[region.label]
+        if region.decision == "recompute":
+            calls_at_start = dict(state.calls)
+
+            def replay_calls() -> None:
+                state.calls.clear()
+                state.calls.update(calls_at_start)
+
+            return _checkpoint(fn, args, kwargs, policy=region.policy,
+                               name=region.label, stats=stats, on_recompute=replay_calls,
+                               offload_min_bytes=state.plan.offload_min_bytes)
+        if not is_recomputing():
+            stats.forward_runs += 1
+        state.group += 1
+        hooks = OffloadHooks(
+            offload=region.decision == "offload",
+            storage_dtype=_dtype(region.storage_dtype),
+            min_bytes=state.plan.offload_min_bytes,
+            usage=state.host, stats=None if is_recomputing() else stats,
+            group=state.group, prefetch=state.prefetch,
+        )
+        with hooks:
+            return fn(*args, **kwargs)
+
+    def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
+        children = list(self.module._modules.items())
+        starts = {r.segment[0]: r for r in segments if r.segment}
+
+        def forward(x: Any) -> Any:
+            i = 0
+            while i < len(children):
+                name, child = children[i]
+                region = starts.get(name)
+                if region is None:
+                    x = child(x)
+                    i += 1
+                    continue
+                run = [c for _, c in children[i:i + len(region.segment or [])]]
+                x = self._run(region, _chain(run), (x,), {})
+                i += len(run)
+            return x
+
+        return forward
+
+
+def _chain(modules: list[nn.Module]) -> Callable[[Any], Any]:
+    def run(x: Any) -> Any:
+        for m in modules:
+            x = m(x)
+        return x
+
+    run.__qualname__ = "segment"
+    return run
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"Unknown storage dtype {name!r}; use e.g. 'bfloat16' or 'float16'.")
+    return dtype
+

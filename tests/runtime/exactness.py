@@ -1,0 +1,103 @@
+"""Shared helpers: run one training step and compare two models bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import remat3d
+from remat3d import Plan, Region
+
+
+def train_step(model: nn.Module, x: torch.Tensor, amp: str | None = None, seed: int = 0):
+    """One step; returns (outputs, {param: grad}, {buffer: value}) as detached copies."""
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        p.grad = None
+    model.train()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if amp == "bf16" else _null()
+    with ctx:
+        out = model(x)
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        loss = sum((t.float() ** 2).mean() for t in leaves)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return [t.detach().clone() for t in leaves], grads, buffers
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def assert_exact(model: nn.Module, x: torch.Tensor, plan: Plan, amp: str | None = None) -> Any:
+    """The planned model's outputs, gradients and buffers equal the unplanned model's."""
+    reference = copy.deepcopy(model)
+    planned = copy.deepcopy(model)
+    remat3d.apply(planned, plan)
+    try:
+        want = train_step(reference, x, amp)
+        got = train_step(planned, x, amp)
+        report = remat3d.report(planned)
+    finally:
+        remat3d.remove(planned)
+    _same(want, got)
+    return report
+
+
+def _same(want, got) -> None:
+    outs_w, grads_w, bufs_w = want
+    outs_g, grads_g, bufs_g = got
+    assert len(outs_w) == len(outs_g)
+    for a, b in zip(outs_w, outs_g):
+        assert torch.equal(a, b), "outputs differ"
+    assert grads_w.keys() == grads_g.keys(), set(grads_w) ^ set(grads_g)
+    for name in grads_w:
+        assert torch.equal(grads_w[name], grads_g[name]), f"gradient of {name} differs"
+    for name in bufs_w:
+        assert torch.equal(bufs_w[name], bufs_g[name]), f"buffer {name} differs"
+
+
+def inplace_modules(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if getattr(m, "inplace", False)}
+
+
+def called_modules(model: nn.Module, x: torch.Tensor) -> list[tuple[str, int]]:
+    """(name, depth) of every module invocation, in execution order (profiled on meta)."""
+    graph = remat3d.profile(model, tuple(x.shape)).graph
+    seen: dict[str, int] = {}
+    for n in graph.nodes:
+        seen.setdefault(n.name, n.depth)
+    return list(seen.items())
+
+
+def plans_for(model: nn.Module, x: torch.Tensor) -> dict[str, Plan]:
+    """The plan families the acceptance asks for: every node, every block, nested, each
+    op policy, offload."""
+    skip = inplace_modules(model)
+    called = [(n, d) for n, d in called_modules(model, x) if n and n not in skip]
+    depth1 = [n for n, d in called if d == 1]
+    leaves = [n for n, d in called
+              if not any(o.startswith(n + ".") for o, _ in called)]
+    depth2 = [n for n, d in called if d == 2]
+
+    def regions(names, **kw):
+        return [Region(n, **kw) for n in names]
+
+    return {
+        "every-node": Plan(regions=regions(leaves)),
+        "every-block": Plan(regions=regions(depth1)),
+        "nested": Plan(regions=regions(depth1) + regions(depth2)),
+        "save-compute-heavy": Plan(regions=regions(depth1, policy="save-compute-heavy")),
+        "save-norm-and-pool": Plan(regions=regions(depth1, policy="save-norm-and-pool")),
+        "offload": Plan(regions=regions(depth1, decision="offload"), offload_min_bytes=0),
+    }

@@ -1,0 +1,66 @@
+"""Every plan family keeps outputs, gradients and buffers bit-identical on CPU in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat3d import zoo
+
+from .exactness import assert_exact, plans_for
+from .torture import Torture
+
+PLAN_FAMILIES = ["every-node", "every-block", "nested", "save-compute-heavy",
+                 "save-norm-and-pool", "offload"]
+
+
+@pytest.mark.parametrize("family", PLAN_FAMILIES)
+def test_torture_model(family):
+    model = Torture()
+    x = torch.randn(2, 1, 12, 12, 12)
+    plan = plans_for(model, x)[family]
+    report = assert_exact(model, x, plan)
+    runs = {r.label: r for r in report.regions}
+    assert runs["shared"].forward_runs == 2  # a module called twice: both calls planned
+    if family != "offload":
+        assert all(r.recomputes >= 1 for r in report.regions if r.forward_runs)
+
+
+@pytest.mark.parametrize("family", PLAN_FAMILIES)
+def test_torture_model_under_bf16_autocast(family):
+    model = Torture()
+    x = torch.randn(2, 1, 12, 12, 12)
+    assert_exact(model, x, plans_for(model, x)[family], amp="bf16")
+
+
+FAST = ["unet", "basicunet", "segresnet", "unetr", "resnet3d"]
+
+
+def _preset_case(name):
+    preset = zoo.get_preset(name)
+    shape = zoo.legal_shape(preset, (1, preset.in_channels, 16, 16, 16))
+    torch.manual_seed(0)
+    model = zoo.build_model(name, spatial_size=tuple(shape[2:]))
+    if preset.task == "classification" or name in ("unet", "resnet3d"):
+        shape = (2, *shape[1:])  # BatchNorm needs more than one value per channel
+    return model, torch.randn(shape)
+
+
+@pytest.mark.parametrize("family", PLAN_FAMILIES)
+@pytest.mark.parametrize("name", FAST)
+def test_zoo_presets(name, family):
+    model, x = _preset_case(name)
+    assert_exact(model, x, plans_for(model, x)[family])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", PLAN_FAMILIES)
+@pytest.mark.parametrize("name", ["nnunet", "swinunetr"])
+def test_zoo_presets_large(name, family):
+    model, x = _preset_case(name)
+    assert_exact(model, x, plans_for(model, x)[family])
+
+
+def test_nnunet_every_block():
+    model, x = _preset_case("nnunet")
+    assert_exact(model, x, plans_for(model, x)["every-block"])
