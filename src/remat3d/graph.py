@@ -46,6 +46,7 @@ class Node:
     output_shape: list[int] | None = None
     output_dtype: str | None = None
     output_bytes: int = 0
+    param_bytes: int = 0  # the module's own parameters, not its children's
     saved_bytes: int = 0
     self_saved_bytes: int = 0
     fwd_flops: int = 0
@@ -104,6 +105,25 @@ class CostGraph:
 
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if n.is_leaf]
+
+    def blocks(self) -> list[Node]:
+        """The smallest invocations that hold at least two compute layers.
+
+        A compute layer is an invocation whose own ops have FLOPs (a convolution, a linear
+        layer, an attention's matmuls).
+
+        This is what "checkpoint every block" means in MONAI/HF/timm practice: a
+        conv-norm-act-conv unit (MONAI's ``UnetBasicBlock``, a ResNet ``BasicBlock``, a
+        transformer block), not a single layer and not a whole encoder.
+        """
+        layers = [0] * len(self.nodes)
+        for n in reversed(self.nodes):
+            if n.self_fwd_flops:
+                layers[n.id] += 1
+            if n.parent is not None:
+                layers[n.parent] += layers[n.id]
+        return [n for n in self.nodes
+                if layers[n.id] >= 2 and all(layers[c] < 2 for c in n.children)]
 
     def find(self, name: str, call_index: int = 0) -> Node:
         for n in self.nodes:

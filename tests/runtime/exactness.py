@@ -71,33 +71,29 @@ def inplace_modules(model: nn.Module) -> set[str]:
     return {n for n, m in model.named_modules() if getattr(m, "inplace", False)}
 
 
-def called_modules(model: nn.Module, x: torch.Tensor) -> list[tuple[str, int]]:
-    """(name, depth) of every module invocation, in execution order (profiled on meta)."""
-    graph = remat3d.profile(model, tuple(x.shape)).graph
-    seen: dict[str, int] = {}
-    for n in graph.nodes:
-        seen.setdefault(n.name, n.depth)
-    return list(seen.items())
-
-
 def plans_for(model: nn.Module, x: torch.Tensor) -> dict[str, Plan]:
     """The plan families the acceptance asks for: every node, every block, nested, each
-    op policy, offload."""
+    op policy, offload. Modules that write in place into their input (in-place
+    activations) cannot be a region on their own and are left out of 'every node'."""
+    graph = remat3d.profile(model, tuple(x.shape)).graph
     skip = inplace_modules(model)
-    called = [(n, d) for n, d in called_modules(model, x) if n and n not in skip]
-    depth1 = [n for n, d in called if d == 1]
-    leaves = [n for n, d in called
-              if not any(o.startswith(n + ".") for o, _ in called)]
-    depth2 = [n for n, d in called if d == 2]
+    leaves = _unique(n.name for n in graph.leaves() if n.name not in skip)
+    blocks = _unique(n.name for n in graph.blocks())
+    inner = _unique(graph.nodes[c].name for b in graph.blocks() for c in b.children
+                    if graph.nodes[c].name not in skip)
 
     def regions(names, **kw):
         return [Region(n, **kw) for n in names]
 
     return {
         "every-node": Plan(regions=regions(leaves)),
-        "every-block": Plan(regions=regions(depth1)),
-        "nested": Plan(regions=regions(depth1) + regions(depth2)),
-        "save-compute-heavy": Plan(regions=regions(depth1, policy="save-compute-heavy")),
-        "save-norm-and-pool": Plan(regions=regions(depth1, policy="save-norm-and-pool")),
-        "offload": Plan(regions=regions(depth1, decision="offload"), offload_min_bytes=0),
+        "every-block": Plan(regions=regions(blocks)),
+        "nested": Plan(regions=regions(blocks) + regions(inner)),
+        "save-compute-heavy": Plan(regions=regions(blocks, policy="save-compute-heavy")),
+        "save-norm-and-pool": Plan(regions=regions(blocks, policy="save-norm-and-pool")),
+        "offload": Plan(regions=regions(blocks, decision="offload"), offload_min_bytes=0),
     }
+
+
+def _unique(names) -> list[str]:
+    return list(dict.fromkeys(n for n in names if n))

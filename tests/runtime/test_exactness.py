@@ -20,10 +20,12 @@ def test_torture_model(family):
     x = torch.randn(2, 1, 12, 12, 12)
     plan = plans_for(model, x)[family]
     report = assert_exact(model, x, plan)
-    runs = {r.label: r for r in report.regions}
-    assert runs["shared"].forward_runs == 2  # a module called twice: both calls planned
+    assert all(r.forward_runs >= 1 for r in report.regions), str(report)
+    if family == "every-node":
+        runs = {r.label: r for r in report.regions}
+        assert runs["shared"].forward_runs == 2  # a module called twice: both calls planned
     if family != "offload":
-        assert all(r.recomputes >= 1 for r in report.regions if r.forward_runs)
+        assert all(r.recomputes >= 1 for r in report.regions), str(report)
 
 
 @pytest.mark.parametrize("family", PLAN_FAMILIES)

@@ -48,6 +48,7 @@ class Invocation:
     live_at_entry: int = 0
     output_uids: list[int] = field(default_factory=list)
     output_bytes: int = 0
+    param_bytes: int = 0  # the module's own parameters (not its children's)
     output_shape: list[int] | None = None
     output_dtype: str | None = None
     children: list[int] = field(default_factory=list)
@@ -102,6 +103,8 @@ class InvocationRecorder:
                 depth=len(self._stack),
                 phase=phase,
                 seq_start=torch._C._autograd._get_sequence_nr(),
+                param_bytes=sum(p.numel() * p.element_size()
+                                for p in module.parameters(recurse=False)),
             )
             if parent is not None:
                 self.invocations[parent].children.append(inv.id)
