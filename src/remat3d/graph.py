@@ -107,14 +107,14 @@ class CostGraph:
         return [n for n in self.nodes if n.is_leaf]
 
     def blocks(self) -> list[Node]:
-        """The smallest invocations that hold at least two compute layers.
+        """The network's blocks: what "checkpoint every block" means in MONAI/HF/timm.
 
         A compute layer is an invocation whose own ops have FLOPs (a convolution, a linear
-        layer, an attention's matmuls).
-
-        This is what "checkpoint every block" means in MONAI/HF/timm practice: a
-        conv-norm-act-conv unit (MONAI's ``UnetBasicBlock``, a ResNet ``BasicBlock``, a
-        transformer block), not a single layer and not a whole encoder.
+        layer, an attention's matmuls). A *unit* is a smallest invocation holding two or
+        more compute layers (a conv-norm-act-conv ``UnetBasicBlock``, a ResNet block, an
+        attention or MLP block). A block is the largest invocation that still holds at
+        most one unit (a decoder ``UnetUpBlock``: transposed conv + concatenation + unit)
+        and two or more compute layers.
         """
         layers = [0] * len(self.nodes)
         for n in reversed(self.nodes):
@@ -122,8 +122,15 @@ class CostGraph:
                 layers[n.id] += 1
             if n.parent is not None:
                 layers[n.parent] += layers[n.id]
+        units = [0] * len(self.nodes)
+        for n in reversed(self.nodes):
+            if layers[n.id] >= 2 and all(layers[c] < 2 for c in n.children):
+                units[n.id] += 1
+            if n.parent is not None:
+                units[n.parent] += units[n.id]
+        candidate = [layers[n.id] >= 2 and units[n.id] <= 1 for n in self.nodes]
         return [n for n in self.nodes
-                if layers[n.id] >= 2 and all(layers[c] < 2 for c in n.children)]
+                if candidate[n.id] and (n.parent is None or not candidate[n.parent])]
 
     def find(self, name: str, call_index: int = 0) -> Node:
         for n in self.nodes:
