@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from remat3d.plan import Plan, PlanError, Region
+from remat3d.planspec import Plan, PlanError, Region
 
 
 def test_round_trip(tmp_path):

@@ -12,7 +12,7 @@ import remat3d
 from remat3d import zoo
 from remat3d.errors import Remat3dError
 from remat3d.graph import CostGraph
-from remat3d.profile import Profile
+from remat3d.profiling import Profile
 
 
 def _small_unet():

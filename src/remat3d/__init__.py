@@ -9,8 +9,8 @@ from remat3d.errors import Remat3dError
 from remat3d.graph import CostGraph
 from remat3d.instrument.tracker import MemoryTracker
 from remat3d.measurement import Measurement, measure
-from remat3d.plan import Plan, Region
-from remat3d.profile import Profile, profile
+from remat3d.planspec import Plan, Region
+from remat3d.profiling import Profile, profile
 from remat3d.runtime.apply import apply, remove
 from remat3d.runtime.region import checkpoint
 from remat3d.runtime.report import Report, report

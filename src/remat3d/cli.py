@@ -72,7 +72,7 @@ def profile_command(
 ) -> None:
     """Measure one training step: peak memory, what is saved for backward, FLOPs."""
     from remat3d import zoo
-    from remat3d.profile import profile
+    from remat3d.profiling import profile
     from remat3d.units import parse_shape
 
     kwargs = zoo.parse_model_kwargs(model_kwargs)
@@ -101,7 +101,7 @@ def profile_command(
 
 
 def _print_profile(prof: Any, model: str, top: int) -> None:
-    from remat3d.report import level_table, module_table
+    from remat3d.tables import level_table, module_table
     from remat3d.units import format_bytes
 
     g = prof.graph

@@ -206,7 +206,7 @@ class MemoryTracker(TorchDispatchMode):
         return self.phase
 
     # -- dispatch ---------------------------------------------------------------------
-    def __enter__(self) -> MemoryTracker:  # noqa: PYI034 (a mode, not subclassed)
+    def __enter__(self) -> MemoryTracker:
         self._update_peak(None)
         super().__enter__()
         return self

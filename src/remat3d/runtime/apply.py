@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.plan import Plan, PlanError, Region
+from remat3d.planspec import Plan, PlanError, Region
 from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.region import RegionStats, _checkpoint
 from remat3d.runtime.state import is_recomputing, register_module_names
 
-__all__ = ["apply", "remove", "model_fingerprint", "applied_state", "AppliedPlan"]
+__all__ = ["AppliedPlan", "applied_state", "apply", "model_fingerprint", "remove"]
 
 _STATE_ATTR = "_remat3d_applied"
 
@@ -206,7 +206,7 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
         self.modules.__enter__()
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self.modules.__exit__(*exc)
 
@@ -285,7 +285,7 @@ class _PlannedForward:
             return fn(*args, **kwargs)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
-        children = list(self.module._modules.items())
+        children = [(n, m) for n, m in self.module._modules.items() if m is not None]
         starts = {r.segment[0]: r for r in segments if r.segment}
 
         def forward(x: Any) -> Any:

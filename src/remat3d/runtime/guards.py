@@ -31,8 +31,14 @@ from torch.utils._pytree import tree_leaves
 from remat3d.errors import Remat3dError
 from remat3d.runtime.state import module_name
 
-__all__ = ["ModuleStack", "BufferGuard", "OpRecorder", "OpChecker", "RecomputeOverwritten",
-           "RecomputeDivergedError"]
+__all__ = [
+    "BufferGuard",
+    "ModuleStack",
+    "OpChecker",
+    "OpRecorder",
+    "RecomputeDivergedError",
+    "RecomputeOverwritten",
+]
 
 
 class RecomputeDivergedError(Remat3dError, RuntimeError):
@@ -66,7 +72,7 @@ class ModuleStack:
         ]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -96,7 +102,7 @@ class BufferGuard:
                 self.snapshot(module)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         with torch.no_grad(), _disable_current_modes():
             for module, name, original, copy in self._saved.values():
                 module._buffers[name] = original
@@ -197,5 +203,5 @@ class RecomputeOverwritten:
                        and w.val._version != w.version for w in leaves):
                     per_op[idx] = recompute
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None

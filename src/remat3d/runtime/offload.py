@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-__all__ = ["OffloadHooks", "HostUsage"]
+__all__ = ["HostUsage", "OffloadHooks"]
 
 
 @dataclass
@@ -49,8 +49,19 @@ class HostUsage:
 class _Packed:
     """A saved tensor that lives elsewhere."""
 
-    __slots__ = ("data", "device", "dtype", "shape", "stride", "event", "nbytes", "group",
-                 "prefetched", "usage", "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "data",
+        "device",
+        "dtype",
+        "event",
+        "group",
+        "nbytes",
+        "prefetched",
+        "shape",
+        "stride",
+        "usage",
+    )
 
     def __init__(self, data: torch.Tensor | None, source: torch.Tensor, group: int,
                  usage: HostUsage, nbytes: int) -> None:
@@ -183,7 +194,7 @@ class OffloadHooks(saved_tensors_hooks):
 
 
 class _Cast:
-    __slots__ = ("inner", "dtype")
+    __slots__ = ("dtype", "inner")
 
     def __init__(self, inner: Any, dtype: torch.dtype) -> None:
         self.inner = inner

@@ -23,8 +23,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from remat3d.errors import Remat3dError
 
-__all__ = ["POLICY_NAMES", "resolve_policy", "selective_contexts", "COMPUTE_HEAVY_OPS",
-           "NORM_AND_POOL_OPS"]
+__all__ = [
+    "COMPUTE_HEAVY_OPS",
+    "NORM_AND_POOL_OPS",
+    "POLICY_NAMES",
+    "resolve_policy",
+    "selective_contexts",
+]
 
 aten = torch.ops.aten
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat3d.errors import Remat3dError
 from remat3d.runtime.guards import (
@@ -28,9 +28,9 @@ from remat3d.runtime.guards import (
     RecomputeOverwritten,
 )
 from remat3d.runtime.policies import resolve_policy, selective_contexts
-from remat3d.runtime.state import is_recomputing, recomputing
+from remat3d.runtime.state import enter_recompute, exit_recompute, is_recomputing
 
-__all__ = ["checkpoint", "RegionStats", "InPlaceInputError"]
+__all__ = ["InPlaceInputError", "RegionStats", "checkpoint"]
 
 
 class InPlaceInputError(Remat3dError, RuntimeError):
@@ -132,17 +132,16 @@ class _Region:
 class _RecomputeFlag:
     def __init__(self, region: _Region) -> None:
         self.region = region
-        self._flag = recomputing()
 
     def __enter__(self) -> None:
-        self._flag.__enter__()
+        enter_recompute()
         if self.region.stats is not None:
             self.region.stats.recomputes += 1
         if self.region.on_recompute is not None:
             self.region.on_recompute()
 
-    def __exit__(self, *exc: Any) -> None:
-        self._flag.__exit__(*exc)
+    def __exit__(self, *exc: object) -> None:
+        exit_recompute()
 
 
 def checkpoint(

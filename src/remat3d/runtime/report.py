@@ -33,8 +33,8 @@ class Report:
         return sum(self.saved_by_module.values())
 
     def __str__(self) -> str:
-        lines = ["region                               decision   fwd  recomp  inputs kept"
-                 "  offloaded"]
+        header = "region                               decision   fwd  recomp  inputs kept"
+        lines = [header + "  offloaded"]
         for r in self.regions:
             lines.append(f"{r.label[:36]:36s} {r.decision:9s} {r.forward_runs:4d} "
                          f"{r.recomputes:7d} {format_bytes(r.input_bytes):>12s} "

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["is_recomputing", "recomputing", "module_name", "register_module_names"]
+__all__ = ["is_recomputing", "module_name", "recomputing", "register_module_names"]
 
 _local = threading.local()
 _NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -27,13 +27,21 @@ def is_recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+def enter_recompute() -> None:
+    _local.depth = getattr(_local, "depth", 0) + 1
+
+
+def exit_recompute() -> None:
+    _local.depth -= 1
+
+
 @contextmanager
 def recomputing() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
+    enter_recompute()
     try:
         yield
     finally:
-        _local.depth -= 1
+        exit_recompute()
 
 
 def register_module_names(model: nn.Module) -> None:

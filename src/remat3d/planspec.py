@@ -23,7 +23,7 @@ from remat3d.errors import Remat3dError
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes
 
-__all__ = ["Plan", "Region", "DECISIONS", "PLAN_SCHEMA", "PlanError"]
+__all__ = ["DECISIONS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
 DECISIONS = ("recompute", "offload", "keep")
