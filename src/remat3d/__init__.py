@@ -9,6 +9,7 @@ from remat3d.errors import Remat3dError
 from remat3d.graph import CostGraph
 from remat3d.instrument.tracker import MemoryTracker
 from remat3d.measurement import Measurement, measure
+from remat3d.planning import plan
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import Profile, profile
 from remat3d.runtime.apply import apply, remove
@@ -30,6 +31,7 @@ __all__ = [
     "checkpoint",
     "is_recomputing",
     "measure",
+    "plan",
     "profile",
     "remove",
     "report",

@@ -1,0 +1,99 @@
+"""One registry of planning strategies, each a pure function of the stage model.
+
+A strategy gets the :class:`StageModel`, the budget in bytes (``None`` when it ignores
+budgets) and the options, and returns one decision per stage plus an optional op policy
+per stage. Adding a strategy touches this file only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from remat3d.errors import Remat3dError
+from remat3d.planner.optimal import Costs, solve
+from remat3d.planner.stages import KEEP, RECOMPUTE, StageModel
+
+__all__ = [
+    "STRATEGIES",
+    "Decisions",
+    "Infeasible",
+    "PlannerOptions",
+    "get_strategy",
+    "register",
+]
+
+
+class Infeasible(Exception):
+    """The strategy cannot meet the budget under the memory model."""
+
+
+@dataclass
+class PlannerOptions:
+    offload: bool = False
+    costs: Costs = field(default_factory=Costs)
+    recomputable: list[bool] | None = None  # per stage; False: must not be recomputed
+
+
+@dataclass
+class Decisions:
+    decisions: list[str]
+    policies: dict[int, str] = field(default_factory=dict)
+
+
+StrategyFn = Callable[[StageModel, "int | None", PlannerOptions], Decisions]
+STRATEGIES: dict[str, StrategyFn] = {}
+DESCRIPTIONS: dict[str, str] = {}
+
+
+def register(name: str, description: str) -> Callable[[StrategyFn], StrategyFn]:
+    def add(fn: StrategyFn) -> StrategyFn:
+        STRATEGIES[name] = fn
+        DESCRIPTIONS[name] = description
+        return fn
+
+    return add
+
+
+def get_strategy(name: str) -> StrategyFn:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise Remat3dError(
+            f"Unknown strategy {name!r}. Available: {', '.join(sorted(STRATEGIES))}."
+        ) from None
+
+
+def _allowed(model: StageModel, options: PlannerOptions) -> list[bool]:
+    return options.recomputable or [True] * len(model.stages)
+
+
+@register("none", "no checkpointing (the baseline)")
+def _none(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    return Decisions([KEEP] * len(model.stages))
+
+
+@register("blocks", "recompute every block: the MONAI/HF/timm practice")
+def _blocks(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    ok = _allowed(model, options)
+    return Decisions([RECOMPUTE if s.is_block and ok[s.index] else KEEP
+                      for s in model.stages])
+
+
+@register("selective", "every block recomputed except its convolution/matmul outputs")
+def _selective(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    chosen = _blocks(model, budget, options)
+    chosen.policies = {i: "save-compute-heavy" for i, d in enumerate(chosen.decisions)
+                       if d == RECOMPUTE}
+    return chosen
+
+
+@register("optimal", "least recompute (and transfer) cost whose peak fits the budget")
+def _optimal(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    if budget is None:
+        raise Remat3dError("Strategy 'optimal' needs a budget.")
+    decisions = solve(model, budget, offload=options.offload, costs=options.costs,
+                      recomputable=_allowed(model, options))
+    if decisions is None:
+        raise Infeasible(budget)
+    return Decisions(decisions)

@@ -1,0 +1,184 @@
+"""The planner's view of a step: a sequence of stages with a memory and cost model.
+
+Pure Python over a :class:`~remat3d.graph.CostGraph` (no torch).
+
+A *stage* is a unit the planner makes a decision for: one of the graph's blocks, or a
+compute leaf outside every block. What runs outside stages (a container's own ops such as
+a concatenation) is *glue*: always kept. Stages are in forward order.
+
+NOTE [ The memory model ]
+  For a decision d_s per stage (keep / recompute / offload), with S_s(d) the bytes stage s
+  leaves alive for backward (keep: what it saved; recompute: its inputs; offload: nothing
+  on the device):
+  1. Forward, while stage s runs: ``base + sum_{t<s} S_t + fwd_delta_s``.
+  2. Backward of stage s (reverse order):
+     ``base + grads_after(s) + pending(s) + sum_{t<s} S_t + X_s(d_s)``, where
+     ``pending(s)`` is the gradients of tensors that cross stage s (a skip connection's
+     gradient lives from the decoder's backward to the encoder's), ``grads_after(s)`` the
+     parameter gradients already made, and ``X_s`` what stage s holds while its backward
+     runs: its saved tensors plus its backward transient (recompute: plus its inputs, and at
+     least its forward transient while it is recomputed).
+  Every term is a sum of stage figures, so the peak is linear in the decisions and the
+  optimal plan is a small MILP. The model is conservative where it must guess (a region's
+  inputs may already be saved by its producer); the plan is then *verified* by replaying
+  it on the meta device under the tracker, and the verified peak is what counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from remat3d.graph import CostGraph, Node
+
+__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "Stage", "StageModel", "build_stages"]
+
+KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
+
+
+@dataclass
+class Stage:
+    """One decision unit, with inclusive figures from the graph."""
+
+    index: int
+    node: int  # CostGraph node id
+    name: str
+    call_index: int
+    saved_bytes: int
+    input_bytes: int
+    output_bytes: int
+    fwd_flops: int
+    fwd_delta: int
+    bwd_delta: int
+    param_bytes: int
+    is_block: bool = False
+
+    def kept(self, decision: str) -> int:
+        """S_s(d): bytes the stage leaves on the device for backward."""
+        if decision == RECOMPUTE:
+            return self.input_bytes
+        if decision == OFFLOAD:
+            return 0
+        return self.saved_bytes
+
+    def held_in_backward(self, decision: str) -> int:
+        """X_s(d): bytes the stage holds while its own backward runs."""
+        body = self.saved_bytes + self.bwd_delta
+        if decision == RECOMPUTE:
+            return self.input_bytes + max(self.fwd_delta, body)
+        return body
+
+
+@dataclass
+class StageModel:
+    """Stages plus the decision-independent terms of the memory model."""
+
+    stages: list[Stage]
+    base: int  # parameters, buffers, inputs
+    glue_saved: list[int]  # glue saved bytes kept before stage s (prefix, by position)
+    pending: list[int]  # gradients crossing each stage
+    grads_after: list[int]  # parameter gradients made after each stage (in forward order)
+    unplanned_peak: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def peak(self, decisions: list[str]) -> int:
+        """Predicted peak bytes of the step for one decision per stage."""
+        kept = [s.kept(d) for s, d in zip(self.stages, decisions)]
+        before = 0
+        worst = self.base
+        for s, (stage, decision) in enumerate(zip(self.stages, decisions)):
+            prefix = self.base + before + self.glue_saved[s]
+            worst = max(worst, prefix + stage.fwd_delta)
+            worst = max(worst, prefix + self.grads_after[s] + self.pending[s]
+                        + stage.held_in_backward(decision))
+            before += kept[s]
+        return worst
+
+    def recompute_flops(self, decisions: list[str]) -> int:
+        return sum(s.fwd_flops for s, d in zip(self.stages, decisions) if d == RECOMPUTE)
+
+
+def _subtree(graph: CostGraph, node: Node) -> set[int]:
+    out, stack = {node.id}, list(node.children)
+    while stack:
+        k = stack.pop()
+        out.add(k)
+        stack.extend(graph.nodes[k].children)
+    return out
+
+
+def build_stages(graph: CostGraph) -> StageModel:
+    """Cut the graph into stages (blocks and loose compute leaves) and measure the terms."""
+    blocks = graph.blocks()
+    inside: dict[int, int] = {}  # node id -> stage node id
+    for b in blocks:
+        for k in _subtree(graph, b):
+            inside[k] = b.id
+    heads = [b.id for b in blocks]
+    block_ids = set(heads)
+    for n in graph.nodes:
+        if n.is_leaf and n.self_fwd_flops and n.id not in inside:
+            heads.append(n.id)
+            inside[n.id] = n.id
+    heads.sort()
+    position = {h: i for i, h in enumerate(heads)}
+
+    def stage_of(node_id: int) -> int | None:
+        head = inside.get(node_id)
+        return None if head is None else position[head]
+
+    # a node that is neither in a stage nor an ancestor of one is glue; so are the own ops
+    # of ancestors. Glue saved bytes count from the first stage after them.
+    glue_at = [0] * (len(heads) + 1)
+    for n in graph.nodes:
+        if n.id in inside:
+            continue
+        later = [position[h] for h in heads if h > n.id]
+        glue_at[later[0] if later else len(heads)] += n.self_saved_bytes
+    glue_saved = []
+    running = 0
+    for s in range(len(heads)):
+        running += glue_at[s]
+        glue_saved.append(running)
+
+    stages: list[Stage] = []
+    for i, h in enumerate(heads):
+        node = graph.nodes[h]
+        members = _subtree(graph, node)
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        input_bytes = 0
+        for e in graph.edges:
+            if e.dst in members and e.src not in members:
+                key = (e.src, tuple(e.shape))
+                if key not in seen:
+                    seen.add(key)
+                    input_bytes += e.bytes
+        stages.append(Stage(
+            index=i, node=h, name=node.name, call_index=node.call_index,
+            saved_bytes=node.saved_bytes, input_bytes=input_bytes,
+            output_bytes=node.output_bytes, fwd_flops=node.fwd_flops,
+            fwd_delta=node.fwd_peak_delta_bytes, bwd_delta=node.bwd_peak_delta_bytes,
+            param_bytes=sum(graph.nodes[k].param_bytes for k in members),
+            is_block=h in block_ids,
+        ))
+
+    pending = [0] * len(stages)
+    for e in graph.edges:
+        if e.src < 0:
+            continue
+        a, b = stage_of(e.src), stage_of(e.dst)
+        if a is None or b is None or a == b:
+            continue
+        for s in range(a, min(b, len(stages))):
+            pending[s] += e.bytes
+    grads_after = [0] * len(stages)
+    running = 0
+    for s in range(len(stages) - 1, -1, -1):
+        grads_after[s] = running
+        running += stages[s].param_bytes
+    model = StageModel(
+        stages=stages,
+        base=graph.param_bytes + graph.buffer_bytes + graph.input_bytes,
+        glue_saved=glue_saved, pending=pending, grads_after=grads_after,
+    )
+    model.unplanned_peak = graph.peak_bytes
+    return model

@@ -1,0 +1,261 @@
+"""``remat3d.plan``: profile, solve, verify — a Plan whose measured peak fits the budget.
+
+NOTE [ The budget is a promise ]
+  1. The strategy solves on the stage model (``planner/stages.py``), which predicts.
+  2. The plan is then replayed through the real executor on the meta device under the
+     tracker; that verified peak is what is compared with the budget and stored in the plan.
+  3. For ``optimal``, a verified peak above the budget tightens the model's budget by the
+     excess and solves again (a few rounds at most); if no round fits, or the budget is
+     below the smallest peak any plan reaches, the error names the smallest feasible budget
+     (itself verified).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat3d.errors import BudgetError, Remat3dError
+from remat3d.instrument.step import meta_copy
+from remat3d.measurement import measure
+from remat3d.planner.optimal import min_peak, solve
+from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
+from remat3d.planner.stages import KEEP, RECOMPUTE, StageModel, build_stages
+from remat3d.planspec import Plan, Region
+from remat3d.profiling import profile
+from remat3d.runtime.apply import apply, model_fingerprint
+from remat3d.runtime.region import InPlaceInputError
+from remat3d.units import format_bytes, parse_bytes
+
+__all__ = ["clear_plan_cache", "plan", "resolve_budget"]
+
+log = logging.getLogger(__name__)
+_CACHE: OrderedDict[tuple, Plan] = OrderedDict()
+_CACHE_SIZE = 64
+_ROUNDS = 8
+
+
+def clear_plan_cache() -> None:
+    _CACHE.clear()
+
+
+def resolve_budget(budget: str | float, unplanned_peak: int,
+                   device: str = "meta") -> int:
+    """Bytes for ``"12GiB"``, ``"500MB"``, ``"0.25x"`` (of the unplanned peak), an int, or
+    ``"auto"`` (free memory of the current CUDA device less 5 %)."""
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        if not torch.cuda.is_available():
+            raise BudgetError(
+                "Budget 'auto' means the free memory of the CUDA device, and there is no "
+                "CUDA device here. Give a size ('12GiB') or a fraction ('0.25x')."
+            )
+        free, _total = torch.cuda.mem_get_info()
+        return int(free * 0.95)
+    if isinstance(budget, str) and budget.strip().lower().endswith("x"):
+        try:
+            fraction = float(budget.strip()[:-1])
+        except ValueError:
+            raise BudgetError(
+                f"Cannot read budget {budget!r}: a fraction is written like '0.25x'."
+            ) from None
+        if not 0 < fraction:
+            raise BudgetError(f"Budget fraction must be positive, got {budget!r}.")
+        return int(unplanned_peak * fraction)
+    if isinstance(budget, float):
+        raise BudgetError(
+            f"Budget {budget!r} is ambiguous: give bytes as an int, a size like '12GiB', or "
+            "a fraction of the unplanned peak like '0.25x'."
+        )
+    return parse_bytes(budget)
+
+
+def _regions(model: StageModel, decisions: list[str], policies: dict[int, str]) -> list[Region]:
+    regions = []
+    for s, (stage, decision) in enumerate(zip(model.stages, decisions)):
+        if decision == KEEP:
+            continue
+        regions.append(Region(stage.name, calls=[stage.call_index], decision=decision,
+                              policy=policies.get(s)))
+    return regions
+
+
+def _verify(model: nn.Module, shapes: list[tuple[int, ...]], plan_: Plan, amp: str | None,
+            loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int]:
+    """Replay the plan on a meta copy under the tracker: (peak bytes, recompute FLOPs)."""
+    copy_ = meta_copy(model)
+    apply(copy_, plan_)
+    m = measure(copy_, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
+    return m.peak_bytes, m.recompute_flops
+
+
+def plan(
+    model: nn.Module,
+    *inputs: Any,
+    budget: str | int = "auto",
+    strategy: str = "optimal",
+    offload: bool = False,
+    amp: str | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    verify: bool = True,
+) -> Plan:
+    """Plan checkpointing so one training step of ``model`` fits ``budget``.
+
+    Args:
+        inputs: example inputs or their shapes (only shapes and dtypes matter: the step is
+            measured on the meta device).
+        budget: ``"12GiB"``, ``"500MB"``, ``"0.25x"`` (of the unplanned peak), bytes, or
+            ``"auto"`` (free CUDA memory less 5 %).
+        strategy: a name from the registry (``remat3d.planner.registry.STRATEGIES``).
+        offload: allow moving saved tensors to host memory.
+        amp: ``None``, ``"bf16"`` or ``"fp16"`` — the precision the step will run in.
+
+    Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
+    Plans are cached by (model structure, input shapes, amp, budget, strategy, offload).
+
+    >>> import torch, remat3d
+    >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1),
+    ...                             torch.nn.GroupNorm(2, 4), torch.nn.Conv3d(4, 4, 1))
+    ...                             for _ in range(4)])
+    >>> p = remat3d.plan(net, (1, 4, 32, 32, 32), budget="0.6x")
+    >>> p.verified_peak_bytes <= p.budget_bytes
+    True
+    """
+    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x) for x in inputs]
+    fingerprint = model_fingerprint(model)
+    key = (fingerprint, tuple(shapes), amp, budget, strategy, offload)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+
+    prof = profile(model, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
+    stages = build_stages(prof.graph)
+    budget_bytes = resolve_budget(budget, prof.peak_bytes)
+    options = PlannerOptions(offload=offload)
+    solver = get_strategy(strategy)
+
+    def build(result: Decisions) -> Plan:
+        candidate = Plan(
+            regions=_regions(stages, result.decisions, result.policies),
+            model=type(model).__name__, model_fingerprint=fingerprint,
+            input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
+            strategy=strategy, predicted_peak_bytes=stages.peak(result.decisions),
+        )
+        if verify:
+            try:
+                peak, flops = _verify(model, shapes, candidate, amp, loss_fn)
+            except InPlaceInputError as exc:
+                raise Remat3dError(f"Plan could not be verified: {exc}") from exc
+            candidate.verified_peak_bytes, candidate.recompute_flops = peak, flops
+        else:
+            candidate.recompute_flops = stages.recompute_flops(result.decisions)
+        return candidate
+
+    def make(target: int) -> Plan | None:
+        try:
+            return build(solver(stages, target, options))
+        except Infeasible:
+            return None
+
+    if strategy != "optimal":
+        chosen = make(budget_bytes)
+    else:
+        chosen = _search(stages, budget_bytes, options, make, build, verify)
+        if chosen is None:
+            smallest = smallest_feasible_budget(model, shapes, stages, options, amp, loss_fn)
+            raise BudgetError(
+                f"Budget {format_bytes(budget_bytes)} is infeasible for "
+                f"{type(model).__name__} {' '.join('x'.join(map(str, s)) for s in shapes)} "
+                f"(amp={amp or 'none'}{', offload' if offload else ''}): the smallest "
+                f"feasible budget is {format_bytes(smallest)} ({smallest} bytes); the "
+                f"unplanned peak is {format_bytes(prof.peak_bytes)}."
+                + ("" if offload else " Allowing offload (offload=True) may lower it.")
+            )
+    assert chosen is not None
+    _CACHE[key] = chosen
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return chosen
+
+
+def _search(stages: StageModel, budget: int, options: PlannerOptions,
+            make: Callable[[int], Plan | None], build: Callable[[Decisions], Plan],
+            verify: bool) -> Plan | None:
+    """The cheapest verified plan under ``budget`` (see NOTE rule 3).
+
+    The model's targets are searched by bisection between the most frugal plan's predicted
+    peak and the unplanned one: a larger target allows less recomputation, and each
+    candidate is verified; the cheapest one that fits wins.
+    """
+    first = make(budget)
+    if first is not None and (not verify or (first.verified_peak_bytes or 0) <= budget):
+        best = first
+        low = budget  # fits at the real budget: try looser targets only
+    else:
+        best = None
+        low = min_peak(stages, offload=options.offload,
+                       recomputable=options.recomputable)[0]
+    high = max(stages.unplanned_peak, stages.peak([KEEP] * len(stages.stages))) + 1
+    if best is not None and not best.regions:
+        return best
+    if best is None:
+        high = budget
+    for _ in range(_ROUNDS):
+        if high - low <= max(1, budget // 1000):
+            break
+        mid = (low + high) // 2
+        candidate = make(mid)
+        if candidate is None:
+            low = mid
+            continue
+        if (candidate.verified_peak_bytes or 0) <= budget:
+            if best is None or (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
+                best = candidate
+            low = mid
+        else:
+            high = mid
+    if best is None:  # the most frugal plans are the last resort
+        for frugal in _frugal_plans(stages, options, make, build):
+            if (frugal.verified_peak_bytes or 0) <= budget and (
+                    best is None or (frugal.recompute_flops or 0) < (best.recompute_flops or 0)):
+                best = frugal
+    return best
+
+
+def _frugal_plans(stages: StageModel, options: PlannerOptions,
+                  make: Callable[[int], Plan | None],
+                  build: Callable[[Decisions], Plan]) -> list[Plan]:
+    """Candidates for the smallest peak: the model's, every block, every stage."""
+    plans = []
+    frugal = make(min_peak(stages, offload=options.offload,
+                           recomputable=options.recomputable)[0])
+    if frugal is not None:
+        plans.append(frugal)
+    ok = options.recomputable or [True] * len(stages.stages)
+    for every in (False, True):
+        plans.append(build(Decisions([
+            RECOMPUTE if (every or st.is_block) and ok[st.index] else KEEP
+            for st in stages.stages])))
+    return plans
+
+
+def smallest_feasible_budget(model: nn.Module, shapes: list[tuple[int, ...]],
+                             stages: StageModel, options: PlannerOptions, amp: str | None,
+                             loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
+    """The smallest verified peak among the most frugal plans known."""
+
+    def build(result: Decisions) -> Plan:
+        p = Plan(regions=_regions(stages, result.decisions, result.policies))
+        p.verified_peak_bytes, p.recompute_flops = _verify(model, shapes, p, amp, loss_fn)
+        return p
+
+    def make(target: int) -> Plan | None:
+        decisions = solve(stages, target, offload=options.offload,
+                          recomputable=options.recomputable)
+        return None if decisions is None else build(Decisions(decisions))
+
+    return min(p.verified_peak_bytes or 0 for p in _frugal_plans(stages, options, make, build))
