@@ -25,7 +25,7 @@ from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.optimal import min_peak, solve
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
-from remat3d.planner.stages import KEEP, RECOMPUTE, StageModel, build_stages
+from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, StageModel, build_stages
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply, model_fingerprint
@@ -79,8 +79,11 @@ def _regions(model: StageModel, decisions: list[str], policies: dict[int, str]) 
     for s, (stage, decision) in enumerate(zip(model.stages, decisions)):
         if decision == KEEP:
             continue
+        policy = policies.get(s)
+        if decision == SELECTIVE:
+            decision, policy = RECOMPUTE, "save-compute-heavy"
         regions.append(Region(stage.name, calls=[stage.call_index], decision=decision,
-                              policy=policies.get(s)))
+                              policy=policy))
     return regions
 
 
@@ -165,6 +168,8 @@ def plan(
         chosen = make(budget_bytes)
     else:
         chosen = _search(stages, budget_bytes, options, make, build, verify)
+        if chosen is not None and verify:
+            chosen = _prune(chosen, budget_bytes, stages, build)
         if chosen is None:
             smallest = smallest_feasible_budget(model, shapes, stages, options, amp, loss_fn)
             raise BudgetError(
@@ -223,6 +228,30 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
             if (frugal.verified_peak_bytes or 0) <= budget and (
                     best is None or (frugal.recompute_flops or 0) < (best.recompute_flops or 0)):
                 best = frugal
+    return best
+
+
+def _prune(best: Plan, budget: int, stages: StageModel,
+           build: Callable[[Decisions], Plan]) -> Plan:
+    """Drop regions one at a time, costliest first, while the verified peak still fits.
+
+    The stage model is conservative, so the solver's plan may recompute more than needed;
+    each removal is verified, so the result still keeps the budget.
+    """
+    by_name = {(st.name, st.call_index): st for st in stages.stages}
+    decisions = {(r.module, (r.calls or [0])[0]):
+                 SELECTIVE if r.policy == "save-compute-heavy" else r.decision
+                 for r in best.regions}
+    order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
+                   if decisions[k] == RECOMPUTE else -by_name[k].saved_bytes)
+    for key in order:
+        trial = dict(decisions)
+        del trial[key]
+        candidate = build(Decisions([trial.get((st.name, st.call_index), KEEP)
+                                     for st in stages.stages]))
+        if (candidate.verified_peak_bytes or 0) <= budget and \
+                (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
+            best, decisions = candidate, trial
     return best
 
 

@@ -1,5 +1,10 @@
 """``optimal``: the least recompute cost whose predicted peak fits the budget (a MILP).
 
+Decisions per stage: keep, recompute, selective (recompute but keep convolution/matmul
+outputs: policy ``save-compute-heavy``), and offload when allowed. Costs are in FLOPs;
+memory-bound work (recomputed norms and activations, host transfers that do not overlap
+compute) is converted to FLOP-equivalents with the device figures in :class:`Costs`.
+
 One binary per (stage, decision); the memory model of ``stages.py`` is linear in them, so
 ``scipy.optimize.milp`` (HiGHS) finds the exact optimum of the model in milliseconds for
 the tens of stages a 3D network has.
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, StageModel
+from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, StageModel
 
 __all__ = ["Costs", "min_peak", "solve"]
 
@@ -27,6 +32,12 @@ class Costs:
 
     device_flops: float = 1.0e14  # FLOP/s the device sustains (bf16 on a recent GPU)
     host_bandwidth: float = 2.5e10  # bytes/s each way over PCIe/NVLink-C2C
+    memory_bandwidth: float = 3.0e12  # bytes/s of device memory
+
+    def pointwise_cost(self, nbytes: int) -> float:
+        """Recomputing memory-bound ops (norms, activations) over ``nbytes`` of output,
+        in FLOP-equivalents: reading and writing them at memory bandwidth."""
+        return 2 * nbytes / self.memory_bandwidth * self.device_flops
 
     def offload_cost(self, saved_bytes: int, compute_flops: int) -> float:
         transfer = 2 * saved_bytes / self.host_bandwidth
@@ -39,7 +50,7 @@ def _decisions(offload: bool, stage_ok: list[bool]) -> list[list[str]]:
     for ok in stage_ok:
         options = [KEEP]
         if ok:
-            options.append(RECOMPUTE)
+            options += [RECOMPUTE, SELECTIVE]
         if offload:
             options.append(OFFLOAD)
         choices.append(options)
@@ -86,7 +97,10 @@ def solve(model: StageModel, budget: int, *, offload: bool = False,
     for i, (s, d) in enumerate(index):
         stage = model.stages[s]
         if d == RECOMPUTE:
-            c[i] = stage.fwd_flops + 1.0  # +1: among equal costs, fewer regions
+            c[i] = stage.fwd_flops + costs.pointwise_cost(
+                max(0, stage.saved_bytes - stage.heavy_bytes)) + 1.0  # +1: fewer regions
+        elif d == SELECTIVE:
+            c[i] = costs.pointwise_cost(max(0, stage.saved_bytes - stage.heavy_bytes)) + 2.0
         elif d == OFFLOAD:
             c[i] = costs.offload_cost(stage.saved_bytes, 3 * stage.fwd_flops)
     if model.base > budget:

@@ -33,6 +33,7 @@ from remat3d.graph import CostGraph, Node
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "Stage", "StageModel", "build_stages"]
 
 KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
+SELECTIVE = "selective"  # recompute, keeping the compute-heavy op outputs
 
 
 @dataclass
@@ -51,11 +52,14 @@ class Stage:
     bwd_delta: int
     param_bytes: int
     is_block: bool = False
+    heavy_bytes: int = 0  # outputs of compute layers (convs, matmuls) inside the stage
 
     def kept(self, decision: str) -> int:
         """S_s(d): bytes the stage leaves on the device for backward."""
         if decision == RECOMPUTE:
             return self.input_bytes
+        if decision == SELECTIVE:
+            return self.input_bytes + min(self.heavy_bytes, self.saved_bytes)
         if decision == OFFLOAD:
             return 0
         return self.saved_bytes
@@ -63,7 +67,7 @@ class Stage:
     def held_in_backward(self, decision: str) -> int:
         """X_s(d): bytes the stage holds while its own backward runs."""
         body = self.saved_bytes + self.bwd_delta
-        if decision == RECOMPUTE:
+        if decision in (RECOMPUTE, SELECTIVE):
             return self.input_bytes + max(self.fwd_delta, body)
         return body
 
@@ -94,6 +98,7 @@ class StageModel:
         return worst
 
     def recompute_flops(self, decisions: list[str]) -> int:
+        """Counted FLOPs recomputed (a selective stage redoes only uncounted ops)."""
         return sum(s.fwd_flops for s, d in zip(self.stages, decisions) if d == RECOMPUTE)
 
 
@@ -159,6 +164,8 @@ def build_stages(graph: CostGraph) -> StageModel:
             fwd_delta=node.fwd_peak_delta_bytes, bwd_delta=node.bwd_peak_delta_bytes,
             param_bytes=sum(graph.nodes[k].param_bytes for k in members),
             is_block=h in block_ids,
+            heavy_bytes=sum(graph.nodes[k].output_bytes for k in members
+                            if graph.nodes[k].self_fwd_flops and graph.nodes[k].is_leaf),
         ))
 
     pending = [0] * len(stages)
