@@ -71,3 +71,23 @@ def test_user_errors_are_one_clear_line(args, message):
     text = " ".join(result.output.split())
     assert "error:" in text and message in text
     assert "Traceback" not in result.output
+
+
+def test_plan_command_writes_plan_and_plot(tmp_path):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.9x", "--out", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "verified" in result.output and png.stat().st_size > 10_000
+    from remat3d import Plan
+
+    plan = Plan.load(out)
+    assert plan.verified_peak_bytes <= plan.budget_bytes
+
+
+def test_plan_command_infeasible_budget_is_one_line():
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "1MB"])
+    assert result.exit_code == 2
+    assert "smallest feasible budget" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

@@ -100,6 +100,114 @@ def profile_command(
         console.print(f"profile written to [bold]{json_out}[/]")
 
 
+def _build(model: str, input: str | None, model_kwargs: str | None) -> tuple[Any, tuple]:
+    from remat3d import zoo
+    from remat3d.units import parse_shape
+
+    kwargs = zoo.parse_model_kwargs(model_kwargs)
+    preset = zoo.PRESETS.get(model)
+    if input is None:
+        channels = int(kwargs.get("in_channels", preset.in_channels if preset else 1))
+        shape: tuple[int, ...] = (1, channels, 128, 128, 128)
+    else:
+        shape = parse_shape(input)
+    if preset is not None:
+        zoo.check_input_shape(preset, shape, kwargs)
+    if len(shape) < 3:
+        raise Remat3dError(f"Input shape {input!r} needs batch, channels and spatial sizes.")
+    net = zoo.build_model(model, kwargs, spatial_size=tuple(shape[2:]), device="meta")
+    return net, shape
+
+
+@app.command("plan")
+@_user_errors
+def plan_command(
+    model: str = typer.Argument(
+        ..., help="A zoo preset, package.module:Class, or a .py file defining build_model()."),
+    input: str = typer.Option(None, "--input", "-i",
+                              help="Input shape BxCxDxHxW. Default: 1xCx128x128x128."),
+    budget: str = typer.Option(..., "--budget", "-b",
+                               help="12GiB, 500MB, 0.25x (of the unplanned peak), or auto."),
+    strategy: str = typer.Option("optimal", "--strategy", "-s",
+                                 help="none, blocks, selective or optimal."),
+    offload: bool = typer.Option(False, "--offload", help="Allow offload to host memory."),
+    amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
+    model_kwargs: str = typer.Option(None, "--model-kwargs",
+                                     help="Constructor keyword arguments (JSON/YAML/file)."),
+    out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
+    plot: str = typer.Option(None, "--plot", help="Write a PNG: overhead curve and timelines."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON only."),
+) -> None:
+    """Plan checkpointing so one training step fits a memory budget, verified on meta."""
+    from remat3d.planning import plan as make_plan
+    from remat3d.profiling import profile
+    from remat3d.units import format_bytes
+
+    net, shape = _build(model, input, model_kwargs)
+    amp_ = None if amp == "none" else amp
+    status = console.status(f"planning {model} at {'x'.join(map(str, shape))}",
+                            spinner="dots") if not json_out else contextlib.nullcontext()
+    with status:
+        base = profile(net, shape, amp=amp_)
+        result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
+                           amp=amp_)
+    if out:
+        result.save(out)
+    if json_out:
+        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        return
+    table = Table(title=f"{model} {'x'.join(map(str, shape))} amp={amp}: "
+                        f"{len(result.regions)} regions ({strategy})", title_justify="left")
+    table.add_column("module", overflow="fold", min_width=24)
+    table.add_column("decision")
+    table.add_column("policy")
+    for region in result.regions:
+        table.add_row(region.label, region.decision, str(region.policy or ""))
+    console.print(table)
+    overhead = (result.recompute_flops or 0) / max(1, base.flops)
+    console.print(
+        f"budget {format_bytes(result.budget_bytes or 0)} | unplanned peak "
+        f"{format_bytes(base.peak_bytes)} | predicted {format_bytes(result.predicted_peak_bytes or 0)}"
+        f" | verified [bold]{format_bytes(result.verified_peak_bytes or 0)}[/] | "
+        f"recompute +{100 * overhead:.1f}% FLOPs", highlight=False)
+    if out:
+        console.print(f"plan written to [bold]{out}[/]")
+    if plot:
+        _plot(plot, net, shape, result, base, amp_, offload, model)
+        console.print(f"plot written to [bold]{plot}[/]")
+
+
+def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | None,
+          offload: bool, model: str) -> None:
+    from remat3d.instrument.step import meta_copy
+    from remat3d.plotting import plot_plan
+    from remat3d.profiling import profile
+    from remat3d.runtime.apply import apply
+
+    planned = meta_copy(net)
+    apply(planned, result)
+    timeline = profile(planned, shape, amp=amp).timeline
+    curve = []
+    if result.strategy == "optimal":
+        from remat3d.planning import plan as make_plan
+
+        low = result.verified_peak_bytes or base.peak_bytes
+        for k in range(6):
+            budget = int(low + (base.peak_bytes - low) * k / 5)
+            try:
+                p = make_plan(net, shape, budget=budget, offload=offload, amp=amp)
+            except Remat3dError:
+                continue
+            curve.append((p.verified_peak_bytes, (p.recompute_flops or 0) / base.flops))
+    plot_plan(path, title=f"{model} {'x'.join(map(str, shape))} amp={amp or 'none'}",
+              curve=curve,
+              chosen=(result.verified_peak_bytes or 0,
+                      (result.recompute_flops or 0) / max(1, base.flops)),
+              budget=result.budget_bytes or 0,
+              unplanned=[e["live_after"] for e in base.timeline],
+              planned=[e["live_after"] for e in timeline])
+
+
 def _print_profile(prof: Any, model: str, top: int) -> None:
     from remat3d.tables import level_table, module_table
     from remat3d.units import format_bytes

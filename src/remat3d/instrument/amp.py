@@ -122,6 +122,20 @@ def _eligible(x: Any) -> bool:
     )
 
 
+def active_meta_autocast() -> MetaAutocast | None:
+    """The innermost MetaAutocast on PyTorch's function-mode stack, if any.
+
+    Recomputation re-enters one like it (``torch.utils.checkpoint`` restores
+    ``torch.autocast``, not function modes).
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, MetaAutocast):
+            return mode
+    return None
+
+
 class MetaAutocast(TorchFunctionMode):
     """Apply CUDA autocast's casting rules to meta tensors (see module docstring)."""
 
@@ -129,6 +143,8 @@ class MetaAutocast(TorchFunctionMode):
         super().__init__()
         self.dtype = dtype
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 
     def _cast(self, x: Any, dtype: torch.dtype) -> Any:
         if not _eligible(x) or x.dtype == dtype:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, StageModel
+from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, Stage, StageModel
 
 __all__ = ["Costs", "min_peak", "solve"]
 
@@ -43,6 +43,18 @@ class Costs:
         transfer = 2 * saved_bytes / self.host_bandwidth
         overlap = compute_flops / self.device_flops
         return max(0.0, transfer - overlap) * self.device_flops + 1e-6 * saved_bytes
+
+
+def decision_cost(stage: Stage, decision: str, costs: Costs) -> float:
+    """The objective's cost of one stage's decision (FLOPs and FLOP-equivalents)."""
+    pointwise = costs.pointwise_cost(max(0, stage.saved_bytes - stage.heavy_bytes))
+    if decision == RECOMPUTE:
+        return stage.fwd_flops + pointwise + 1.0  # +1: among equal costs, fewer regions
+    if decision == SELECTIVE:
+        return pointwise + 2.0
+    if decision == OFFLOAD:
+        return costs.offload_cost(stage.saved_bytes, 3 * stage.fwd_flops)
+    return 0.0
 
 
 def _decisions(offload: bool, stage_ok: list[bool]) -> list[list[str]]:
@@ -93,16 +105,7 @@ def solve(model: StageModel, budget: int, *, offload: bool = False,
     ok = recomputable or [True] * len(model.stages)
     options = _decisions(offload, ok)
     index, _col, rows, const, one_each = _system(model, options)
-    c = np.zeros(len(index))
-    for i, (s, d) in enumerate(index):
-        stage = model.stages[s]
-        if d == RECOMPUTE:
-            c[i] = stage.fwd_flops + costs.pointwise_cost(
-                max(0, stage.saved_bytes - stage.heavy_bytes)) + 1.0  # +1: fewer regions
-        elif d == SELECTIVE:
-            c[i] = costs.pointwise_cost(max(0, stage.saved_bytes - stage.heavy_bytes)) + 2.0
-        elif d == OFFLOAD:
-            c[i] = costs.offload_cost(stage.saved_bytes, 3 * stage.fwd_flops)
+    c = np.array([decision_cost(model.stages[s], d, costs) for s, d in index])
     if model.base > budget:
         return None
     constraints = [

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat3d.errors import Remat3dError
+from remat3d.instrument.amp import MetaAutocast, active_meta_autocast
 from remat3d.runtime.guards import (
     BufferGuard,
     ModuleStack,
@@ -118,6 +119,11 @@ class _Region:
         forward: list[Any] = [forward_modules]
         recompute: list[Any] = [_RecomputeFlag(self), recompute_modules,
                                 BufferGuard(recompute_modules, self.owner)]
+        # torch.utils.checkpoint restores torch.autocast for the recomputation; our
+        # meta-device autocast (a function mode) must be restored the same way.
+        meta_amp = active_meta_autocast()
+        if meta_amp is not None:
+            recompute.insert(0, MetaAutocast(meta_amp.dtype))
         if self.policy_fn is not None:
             caching, cached = selective_contexts(self.policy_fn)
             forward.append(caching)

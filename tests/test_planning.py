@@ -1,0 +1,98 @@
+"""remat3d.plan: verified peaks keep the budget; infeasible budgets name the smallest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat3d
+from remat3d import zoo
+from remat3d.errors import BudgetError
+from remat3d.planning import clear_plan_cache, resolve_budget
+
+SHAPE = (1, 1, 32, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def basicunet():
+    return zoo.build_model("basicunet", device="meta")
+
+
+def _smallest(model, shape, **kw) -> int:
+    with pytest.raises(BudgetError) as info:
+        remat3d.plan(model, shape, budget=1, **kw)
+    return int(str(info.value).split("(")[2].split(" bytes")[0])
+
+
+def test_budget_sweep_keeps_every_budget(basicunet):
+    unplanned = remat3d.profile(basicunet, SHAPE).peak_bytes
+    smallest = _smallest(basicunet, SHAPE)
+    assert smallest < unplanned
+    peaks, costs = [], []
+    for k in range(8):
+        budget = smallest + (unplanned - smallest) * k // 7
+        p = remat3d.plan(basicunet, SHAPE, budget=budget)
+        assert p.verified_peak_bytes <= budget, (budget, p.verified_peak_bytes)
+        peaks.append(p.verified_peak_bytes)
+        costs.append(p.recompute_flops)
+    assert costs[-1] == 0  # the unplanned peak needs no recomputation
+    assert costs[0] >= costs[-1]
+
+
+def test_infeasible_budget_names_a_feasible_smallest(basicunet):
+    smallest = _smallest(basicunet, SHAPE)
+    p = remat3d.plan(basicunet, SHAPE, budget=smallest)
+    assert p.verified_peak_bytes <= smallest
+    with pytest.raises(BudgetError, match="smallest feasible budget is .* unplanned peak"):
+        remat3d.plan(basicunet, SHAPE, budget=smallest // 2)
+
+
+def test_offload_never_raises_the_smallest_feasible_budget(basicunet):
+    assert _smallest(basicunet, SHAPE, offload=True) <= _smallest(basicunet, SHAPE)
+
+
+def test_plan_is_verified_and_describes_itself(basicunet):
+    p = remat3d.plan(basicunet, SHAPE, budget="0.9x", amp="bf16")
+    assert p.strategy == "optimal" and p.amp == "bf16" and p.input_shapes == [list(SHAPE)]
+    assert p.verified_peak_bytes <= p.budget_bytes
+    assert p.model_fingerprint and p.regions
+    assert "verified peak" in p.summary()
+
+
+def test_plans_are_cached_per_shape(basicunet):
+    clear_plan_cache()
+    a = remat3d.plan(basicunet, SHAPE, budget="0.9x")
+    assert remat3d.plan(basicunet, SHAPE, budget="0.9x") is a
+    b = remat3d.plan(basicunet, (1, 1, 48, 48, 48), budget="0.9x")
+    assert b is not a and b.input_shapes == [[1, 1, 48, 48, 48]]
+
+
+@pytest.mark.parametrize("strategy", ["none", "blocks", "selective"])
+def test_fixed_strategies_are_verified(basicunet, strategy):
+    p = remat3d.plan(basicunet, SHAPE, budget="1.0x", strategy=strategy)
+    assert p.verified_peak_bytes is not None
+    assert (len(p.regions) == 0) == (strategy == "none")
+
+
+def test_a_plan_applies_to_the_real_model_and_stays_exact():
+    torch.manual_seed(0)
+    model = zoo.build_model("segresnet")
+    x = torch.randn(1, 1, 32, 32, 32)
+    p = remat3d.plan(model, tuple(x.shape), budget="0.9x")
+    assert p.regions
+    from tests.runtime.exactness import assert_exact
+
+    assert_exact(model, x, p)
+
+
+def test_resolve_budget():
+    assert resolve_budget("0.25x", 1000) == 250
+    assert resolve_budget("12GiB", 0) == 12 * 2**30
+    assert resolve_budget(4096, 0) == 4096
+    with pytest.raises(BudgetError, match="ambiguous"):
+        resolve_budget(0.5, 1000)
+    with pytest.raises(BudgetError, match="fraction"):
+        resolve_budget("halfx", 1000)
+    if not torch.cuda.is_available():
+        with pytest.raises(BudgetError, match="no CUDA device"):
+            resolve_budget("auto", 1000)
