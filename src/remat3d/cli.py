@@ -198,7 +198,7 @@ def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | 
                 p = make_plan(net, shape, budget=budget, offload=offload, amp=amp)
             except Remat3dError:
                 continue
-            curve.append((p.verified_peak_bytes, (p.recompute_flops or 0) / base.flops))
+            curve.append((p.verified_peak_bytes or 0, (p.recompute_flops or 0) / base.flops))
     plot_plan(path, title=f"{model} {'x'.join(map(str, shape))} amp={amp or 'none'}",
               curve=curve,
               chosen=(result.verified_peak_bytes or 0,

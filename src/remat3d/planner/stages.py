@@ -172,10 +172,10 @@ def build_stages(graph: CostGraph) -> StageModel:
     for e in graph.edges:
         if e.src < 0:
             continue
-        a, b = stage_of(e.src), stage_of(e.dst)
-        if a is None or b is None or a == b:
+        first, last = stage_of(e.src), stage_of(e.dst)
+        if first is None or last is None or first == last:
             continue
-        for s in range(a, min(b, len(stages))):
+        for s in range(first, min(last, len(stages))):
             pending[s] += e.bytes
     grads_after = [0] * len(stages)
     running = 0
