@@ -67,11 +67,24 @@ def test_plans_are_cached_per_shape(basicunet):
     assert b is not a and b.input_shapes == [[1, 1, 48, 48, 48]]
 
 
-@pytest.mark.parametrize("strategy", ["none", "blocks", "selective"])
+@pytest.mark.parametrize("strategy", ["none", "blocks", "selective", "recursive"])
 def test_fixed_strategies_are_verified(basicunet, strategy):
     p = remat3d.plan(basicunet, SHAPE, budget="1.0x", strategy=strategy)
     assert p.verified_peak_bytes is not None
     assert (len(p.regions) == 0) == (strategy == "none")
+
+
+def test_recursive_nests_regions_and_stays_exact():
+    torch.manual_seed(0)
+    model = zoo.build_model("nnunet", {"filters": [4, 8, 16, 16, 16, 16]})
+    x = torch.randn(1, 1, 64, 64, 64)
+    p = remat3d.plan(model, tuple(x.shape), budget="1.0x", strategy="recursive")
+    names = [r.module for r in p.regions]
+    assert "skip_layers" in names and "skip_layers.next_layer" in names  # nested levels
+    from tests.runtime.exactness import assert_exact
+
+    report = assert_exact(model, x, p)
+    assert all(r.recomputes >= 1 for r in report.regions)
 
 
 def test_a_plan_applies_to_the_real_model_and_stays_exact():

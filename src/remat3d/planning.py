@@ -74,8 +74,9 @@ def resolve_budget(budget: str | float, unplanned_peak: int,
     return parse_bytes(budget)
 
 
-def _regions(model: StageModel, decisions: list[str], policies: dict[int, str]) -> list[Region]:
-    regions = []
+def _regions(model: StageModel, decisions: list[str], policies: dict[int, str],
+             containers: list[tuple[str, int]] | None = None) -> list[Region]:
+    regions = [Region(name, calls=[call]) for name, call in containers or []]
     for s, (stage, decision) in enumerate(zip(model.stages, decisions)):
         if decision == KEEP:
             continue
@@ -143,7 +144,7 @@ def plan(
 
     def build(result: Decisions) -> Plan:
         candidate = Plan(
-            regions=_regions(stages, result.decisions, result.policies),
+            regions=_regions(stages, result.decisions, result.policies, result.containers),
             model=type(model).__name__, model_fingerprint=fingerprint,
             input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
             strategy=strategy, predicted_peak_bytes=stages.peak(result.decisions),
@@ -258,7 +259,8 @@ def _prune(best: Plan, budget: int, stages: StageModel,
 def _frugal_plans(stages: StageModel, options: PlannerOptions,
                   make: Callable[[int], Plan | None],
                   build: Callable[[Decisions], Plan]) -> list[Plan]:
-    """Candidates for the smallest peak: the model's, every block, every stage."""
+    """Candidates for the smallest peak: the model's, every block, every stage, and every
+    stage inside nested regions on every container (the deepest recomputation)."""
     plans = []
     frugal = make(min_peak(stages, offload=options.offload,
                            recomputable=options.recomputable)[0])
@@ -269,6 +271,11 @@ def _frugal_plans(stages: StageModel, options: PlannerOptions,
         plans.append(build(Decisions([
             RECOMPUTE if (every or st.is_block) and ok[st.index] else KEEP
             for st in stages.stages])))
+    nested = [(name, call) for name, call, covered in stages.containers
+              if all(ok[i] for i in covered)]
+    if nested:
+        plans.append(build(Decisions([RECOMPUTE if ok[st.index] else KEEP
+                                      for st in stages.stages], containers=nested)))
     return plans
 
 

@@ -39,6 +39,8 @@ class PlannerOptions:
 class Decisions:
     decisions: list[str]
     policies: dict[int, str] = field(default_factory=dict)
+    # extra recompute regions on containers (name, call index): they nest around stages
+    containers: list[tuple[str, int]] = field(default_factory=list)
 
 
 StrategyFn = Callable[[StageModel, "int | None", PlannerOptions], Decisions]
@@ -85,6 +87,16 @@ def _selective(model: StageModel, budget: int | None, options: PlannerOptions) -
     chosen = _blocks(model, budget, options)
     chosen.policies = {i: "save-compute-heavy" for i, d in enumerate(chosen.decisions)
                        if d == RECOMPUTE}
+    return chosen
+
+
+@register("recursive", "nested regions down the module tree: every container of two or "
+          "more blocks, and every block (logarithmic memory for U-Nets' nested levels)")
+def _recursive(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    chosen = _blocks(model, budget, options)
+    ok = _allowed(model, options)
+    chosen.containers = [(name, call) for name, call, covered in model.containers
+                         if all(ok[i] for i in covered)]
     return chosen
 
 

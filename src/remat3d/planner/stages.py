@@ -83,6 +83,9 @@ class StageModel:
     grads_after: list[int]  # parameter gradients made after each stage (in forward order)
     unplanned_peak: int = 0
     notes: list[str] = field(default_factory=list)
+    # invocations that hold two or more stages: (name, call index, stage indices), outermost
+    # first; regions on them nest (the `recursive` strategy)
+    containers: list[tuple[str, int, list[int]]] = field(default_factory=list)
 
     def peak(self, decisions: list[str]) -> int:
         """Predicted peak bytes of the step for one decision per stage."""
@@ -188,4 +191,10 @@ def build_stages(graph: CostGraph) -> StageModel:
         glue_saved=glue_saved, pending=pending, grads_after=grads_after,
     )
     model.unplanned_peak = graph.peak_bytes
+    for n in graph.nodes:
+        if n.id in inside or n.parent is None:
+            continue
+        covered = [position[h] for h in heads if h in _subtree(graph, n)]
+        if len(covered) >= 2:
+            model.containers.append((n.name, n.call_index, covered))
     return model

@@ -1,0 +1,38 @@
+"""Budget sweeps at 128³ on meta (slow): the budget is a promise at every point."""
+
+from __future__ import annotations
+
+import pytest
+
+import remat3d
+from remat3d import zoo
+from remat3d.errors import BudgetError
+
+SHAPE = (1, 1, 128, 128, 128)
+
+
+def sweep(name: str, points: int = 20):
+    model = zoo.build_model(name, spatial_size=SHAPE[2:], device="meta")
+    unplanned = remat3d.profile(model, SHAPE)
+    with pytest.raises(BudgetError) as info:
+        remat3d.plan(model, SHAPE, budget=1)
+    smallest = int(str(info.value).split("(")[2].split(" bytes")[0])
+    rows = []
+    for k in range(points):
+        budget = smallest + (unplanned.peak_bytes - smallest) * k // (points - 1)
+        p = remat3d.plan(model, SHAPE, budget=budget)
+        rows.append((budget, p.verified_peak_bytes, p.recompute_flops / unplanned.flops))
+    blocks = remat3d.plan(model, SHAPE, budget=unplanned.peak_bytes, strategy="blocks")
+    return rows, blocks, unplanned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nnunet", "basicunet", "segresnet", "swinunetr"])
+def test_sweep_keeps_every_budget(name):
+    rows, blocks, unplanned = sweep(name)
+    violations = [(b, p) for b, p, _ in rows if p > b]
+    assert not violations
+    print(f"\n{name}: unplanned {unplanned.peak_bytes} blocks peak "
+          f"{blocks.verified_peak_bytes} (+{100 * blocks.recompute_flops / unplanned.flops:.1f}%)")
+    for budget, peak, overhead in rows:
+        print(f"  budget {budget:>14,} peak {peak:>14,} recompute +{100 * overhead:5.1f}%")
