@@ -117,3 +117,35 @@ def test_the_planner_never_imports_torch():
                 if name.startswith("remat3d."):
                     assert name in allowed_local or name.startswith("remat3d.planner"), \
                         f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_balanced_segments_differ_by_at_most_one_cost(seed):
+    from remat3d.planner.segments import equal_cost
+
+    rng = random.Random(seed)
+    costs = [rng.randint(0, 100) for _ in range(rng.randint(1, 30))]
+    k = rng.randint(1, 8)
+    segments = equal_cost(costs, k)
+    assert segments[0][0] == 0 and segments[-1][1] == len(costs)
+    assert all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
+    sums = [sum(costs[a:b]) for a, b in segments]
+    assert max(sums) - min(sums) <= max(costs)
+
+
+def test_equal_count_segments():
+    from remat3d.planner.segments import equal_count
+
+    assert equal_count(10, 3) == [(0, 3), (3, 7), (7, 10)]
+    assert equal_count(2, 5) == [(0, 1), (1, 2)]
+
+
+def test_segments_use_containers_inside_them():
+    from remat3d.planner.segments import segment_regions
+
+    model = random_model(random.Random(1), 6)
+    model.containers = [("outer", 0, [0, 1, 2, 3, 4, 5]), ("left", 0, [0, 1, 2]),
+                        ("right", 0, [3, 4])]
+    decisions, containers = segment_regions(model, [(0, 3), (3, 6)], [True] * 6)
+    assert containers == [("left", 0), ("right", 0)]
+    assert decisions == [KEEP, KEEP, KEEP, KEEP, KEEP, RECOMPUTE]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from remat3d.errors import Remat3dError
 from remat3d.planner.optimal import Costs, solve
+from remat3d.planner.segments import equal_cost, equal_count, segment_regions, sqrt_count
 from remat3d.planner.stages import KEEP, RECOMPUTE, StageModel
 
 __all__ = [
@@ -33,6 +34,7 @@ class PlannerOptions:
     offload: bool = False
     costs: Costs = field(default_factory=Costs)
     recomputable: list[bool] | None = None  # per stage; False: must not be recomputed
+    segments: int = 4  # for `uniform`
 
 
 @dataclass
@@ -88,6 +90,29 @@ def _selective(model: StageModel, budget: int | None, options: PlannerOptions) -
     chosen.policies = {i: "save-compute-heavy" for i, d in enumerate(chosen.decisions)
                        if d == RECOMPUTE}
     return chosen
+
+
+def _segmented(model: StageModel, options: PlannerOptions,
+               segments: list[tuple[int, int]]) -> Decisions:
+    decisions, containers = segment_regions(model, segments, _allowed(model, options))
+    return Decisions(decisions, containers=containers)
+
+
+@register("uniform", "k segments of equal stage count (checkpoint_sequential); k = options.segments")
+def _uniform(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    return _segmented(model, options, equal_count(len(model.stages), options.segments))
+
+
+@register("sqrt", "sqrt(n) segments of equal count (Chen et al. 2016)")
+def _sqrt(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    n = len(model.stages)
+    return _segmented(model, options, equal_count(n, sqrt_count(n)))
+
+
+@register("balanced", "sqrt(n) segments of equal saved bytes")
+def _balanced(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
+    costs = [s.saved_bytes for s in model.stages]
+    return _segmented(model, options, equal_cost(costs, sqrt_count(len(costs))))
 
 
 @register("recursive", "nested regions down the module tree: every container of two or "
