@@ -12,6 +12,7 @@ NOTE [ The budget is a promise ]
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -182,6 +183,8 @@ def plan(
                 + ("" if offload else " Allowing offload (offload=True) may lower it.")
             )
     assert chosen is not None
+    if strategy == "optimal":
+        chosen = _no_worse_than_known(chosen, key, budget_bytes)
     _CACHE[key] = chosen
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -230,6 +233,22 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
                     best is None or (frugal.recompute_flops or 0) < (best.recompute_flops or 0)):
                 best = frugal
     return best
+
+
+def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:
+    """A cheaper plan already verified under this budget (for a smaller budget) wins.
+
+    This keeps a budget sweep monotone: more memory never costs more recomputation.
+    """
+    family = key[:3] + key[4:]
+    for other_key, other in _CACHE.items():
+        if other_key[:3] + other_key[4:] != family or other.verified_peak_bytes is None:
+            continue
+        if other.verified_peak_bytes <= budget and \
+                (other.recompute_flops or 0) < (chosen.recompute_flops or 0):
+            chosen = dataclasses.replace(other, budget_bytes=budget,
+                                         regions=list(other.regions))
+    return chosen
 
 
 def _prune(best: Plan, budget: int, stages: StageModel,

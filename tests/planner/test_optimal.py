@@ -128,7 +128,7 @@ def test_balanced_segments_differ_by_at_most_one_cost(seed):
     k = rng.randint(1, 8)
     segments = equal_cost(costs, k)
     assert segments[0][0] == 0 and segments[-1][1] == len(costs)
-    assert all(a[1] == b[0] for a, b in zip(segments, segments[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(segments))
     sums = [sum(costs[a:b]) for a, b in segments]
     assert max(sums) - min(sums) <= max(costs)
 

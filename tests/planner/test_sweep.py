@@ -32,6 +32,8 @@ def test_sweep_keeps_every_budget(name):
     rows, blocks, unplanned = sweep(name)
     violations = [(b, p) for b, p, _ in rows if p > b]
     assert not violations
+    overheads = [o for _, _, o in rows]
+    assert overheads == sorted(overheads, reverse=True)
     print(f"\n{name}: unplanned {unplanned.peak_bytes} blocks peak "
           f"{blocks.verified_peak_bytes} (+{100 * blocks.recompute_flops / unplanned.flops:.1f}%)")
     for budget, peak, overhead in rows:

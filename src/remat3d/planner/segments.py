@@ -15,7 +15,7 @@ import math
 
 from remat3d.planner.stages import KEEP, RECOMPUTE, StageModel
 
-__all__ = ["equal_count", "equal_cost", "segment_regions"]
+__all__ = ["equal_cost", "equal_count", "segment_regions"]
 
 
 def equal_count(n: int, k: int) -> list[tuple[int, int]]:
