@@ -12,7 +12,12 @@ the tens of stages a 3D network has.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -43,6 +48,32 @@ class Costs:
         transfer = 2 * saved_bytes / self.host_bandwidth
         overlap = compute_flops / self.device_flops
         return max(0.0, transfer - overlap) * self.device_flops + 1e-6 * saved_bytes
+
+
+@contextlib.contextmanager
+def _quiet_native_output() -> Iterator[None]:
+    """HiGHS's MIP solver can print debug lines straight to file descriptor 1; the CLI's
+    output (and ``--json`` on stdout) must stay clean, so fd 1 is pointed at /dev/null
+    while it runs."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real stdout (some embedded interpreters)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _milp(*args: Any, **kwargs: Any) -> Any:
+    with _quiet_native_output():
+        return milp(*args, **kwargs)
 
 
 def decision_cost(stage: Stage, decision: str, costs: Costs) -> float:
@@ -112,8 +143,8 @@ def solve(model: StageModel, budget: int, *, offload: bool = False,
         LinearConstraint(rows, -np.inf, budget + const),
         LinearConstraint(one_each, 1, 1),
     ]
-    result = milp(c, constraints=constraints, integrality=np.ones(len(index)),
-                  bounds=Bounds(0, 1))
+    result = _milp(c, constraints=constraints, integrality=np.ones(len(index)),
+                   bounds=Bounds(0, 1))
     if result.x is None or not result.success:
         return None
     decisions = [KEEP] * len(model.stages)
@@ -142,7 +173,7 @@ def min_peak(model: StageModel, *, offload: bool = False,
     ]
     integrality = np.concatenate([np.ones(n), [0]])
     bounds = Bounds(np.zeros(n + 1), np.concatenate([np.ones(n), [np.inf]]))
-    result = milp(c, constraints=constraints, integrality=integrality, bounds=bounds)
+    result = _milp(c, constraints=constraints, integrality=integrality, bounds=bounds)
     peak = int(np.ceil(result.x[n])) if result.x is not None else model.unplanned_peak
     decisions = solve(model, max(peak, model.base), offload=offload, recomputable=ok)
     if decisions is None:
