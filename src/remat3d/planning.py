@@ -253,25 +253,41 @@ def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:
 
 def _prune(best: Plan, budget: int, stages: StageModel,
            build: Callable[[Decisions], Plan]) -> Plan:
-    """Drop regions one at a time, costliest first, while the verified peak still fits.
+    """Make the plan cheaper one verified step at a time, costliest region first.
 
-    The stage model is conservative, so the solver's plan may recompute more than needed;
-    each removal is verified, so the result still keeps the budget.
+    The stage model is conservative, so the solver's plan may recompute more than needed.
+    Each region is first dropped, else downgraded from a full recompute to a selective one
+    (keeping its convolution outputs); a step is taken only if the verified peak still
+    fits and the recomputed FLOPs do not grow. Regions on containers (nested plans) stay.
     """
     by_name = {(st.name, st.call_index): st for st in stages.stages}
-    decisions = {(r.module, (r.calls or [0])[0]):
-                 SELECTIVE if r.policy == "save-compute-heavy" else r.decision
-                 for r in best.regions}
+    decisions: dict[tuple[str, int], str] = {}
+    containers: list[tuple[str, int]] = []
+    for r in best.regions:
+        key = (r.module, (r.calls or [0])[0])
+        if key not in by_name:
+            containers.append(key)
+        else:
+            decisions[key] = SELECTIVE if r.policy == "save-compute-heavy" else r.decision
     order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
                    if decisions[k] == RECOMPUTE else -by_name[k].saved_bytes)
-    for key in order:
-        trial = dict(decisions)
-        del trial[key]
+
+    def attempt(trial: dict[tuple[str, int], str]) -> Plan | None:
         candidate = build(Decisions([trial.get((st.name, st.call_index), KEEP)
-                                     for st in stages.stages]))
+                                     for st in stages.stages], containers=containers))
         if (candidate.verified_peak_bytes or 0) <= budget and \
                 (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
-            best, decisions = candidate, trial
+            return candidate
+        return None
+
+    for key in order:
+        dropped = {k: v for k, v in decisions.items() if k != key}
+        found = attempt(dropped)
+        if found is None and decisions[key] == RECOMPUTE:
+            dropped = {**decisions, key: SELECTIVE}
+            found = attempt(dropped)
+        if found is not None:
+            best, decisions = found, dropped
     return best
 
 
