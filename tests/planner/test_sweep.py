@@ -38,3 +38,23 @@ def test_sweep_keeps_every_budget(name):
           f"{blocks.verified_peak_bytes} (+{100 * blocks.recompute_flops / unplanned.flops:.1f}%)")
     for budget, peak, overhead in rows:
         print(f"  budget {budget:>14,} peak {peak:>14,} recompute +{100 * overhead:5.1f}%")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nnunet", "basicunet", "segresnet", "swinunetr"])
+def test_optimal_never_costs_more_than_a_fixed_strategy_at_its_peak(name):
+    model = zoo.build_model(name, spatial_size=SHAPE[2:], device="meta")
+    unplanned = remat3d.profile(model, SHAPE)
+    for strategy in ("blocks", "uniform", "sqrt", "balanced", "recursive"):
+        fixed = remat3d.plan(model, SHAPE, budget=unplanned.peak_bytes, strategy=strategy)
+        try:
+            best = remat3d.plan(model, SHAPE, budget=fixed.verified_peak_bytes)
+        except BudgetError:
+            print(f"{name} {strategy}: peak {fixed.verified_peak_bytes} is below what "
+                  "optimal reaches (nested regions)")
+            continue
+        print(f"{name} {strategy}: peak {fixed.verified_peak_bytes} "
+              f"+{100 * fixed.recompute_flops / unplanned.flops:.1f}% -> optimal "
+              f"{best.verified_peak_bytes} +{100 * best.recompute_flops / unplanned.flops:.1f}%")
+        assert best.verified_peak_bytes <= fixed.verified_peak_bytes
+        assert best.recompute_flops <= fixed.recompute_flops
