@@ -129,7 +129,8 @@ def plan_command(
     budget: str = typer.Option(..., "--budget", "-b",
                                help="12GiB, 500MB, 0.25x (of the unplanned peak), or auto."),
     strategy: str = typer.Option("optimal", "--strategy", "-s",
-                                 help="none, blocks, selective or optimal."),
+                                 help="optimal (default), none, blocks, selective, uniform, "
+                                      "sqrt, balanced or recursive."),
     offload: bool = typer.Option(False, "--offload", help="Allow offload to host memory."),
     amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
