@@ -176,3 +176,16 @@ def test_custom_loss_is_measured():
 def test_clear_errors(call, match):
     with pytest.raises(Remat3dError, match=match):
         call()
+
+
+def test_profile_of_a_planned_model_names_recomputed_nodes():
+    from remat3d import Plan, Region
+
+    model = zoo.build_model("basicunet", device="meta")
+    remat3d.apply(model, Plan(regions=[Region("conv_0"), Region("upcat_1")]))
+    prof = remat3d.profile(model, (1, 1, 32, 32, 32))
+    names = {n.name for n in prof.graph.nodes}
+    recomputed = [e for e in prof.timeline if e["phase"] == "recompute"]
+    assert recomputed and all(e["node"] is None or prof.graph.nodes[e["node"]].name in names
+                              for e in recomputed)
+    assert isinstance(prof.peak_node, str) and prof.summary()

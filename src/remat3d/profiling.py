@@ -143,11 +143,36 @@ def profile(
         return Profile(
             graph=graph,
             breakdown=tracker.peak_breakdown(),
-            timeline=[asdict(e) for e in tracker.timeline],
+            timeline=_timeline(tracker, graph),
             peak_event=tracker.peak_event,
         )
     finally:
         tracker.close()
+
+
+def _timeline(tracker: MemoryTracker, graph: CostGraph) -> list[dict[str, Any]]:
+    """Timeline events with graph node ids.
+
+    The tracker numbers every invocation, recomputations included; the graph has the
+    forward ones only. A recomputation is attributed to the forward node of the same module
+    and call index (the invocation it replays).
+    """
+    assert tracker.invocations is not None
+    by_key = {(n.name, n.call_index): n.id for n in graph.nodes}
+    node_of: dict[int, int | None] = {}
+    forward = 0
+    for inv in tracker.invocations.invocations:
+        if inv.phase == "forward":
+            node_of[inv.id] = forward
+            forward += 1
+        else:
+            node_of[inv.id] = by_key.get((inv.name, inv.call_index))
+    events = []
+    for e in tracker.timeline:
+        event = asdict(e)
+        event["node"] = None if e.node is None else node_of.get(e.node)
+        events.append(event)
+    return events
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:

@@ -26,6 +26,9 @@ unetr      UNETR, ViT-B/16, img_size = input       16       16        16³ patch
                                                                       built for one size only
 resnet3d   MONAI resnet18, 2 classes               1        17        global pooling; BatchNorm
                                                                       after 2^4 downsampling
+revunet    remat3d.nn.RevUNet (partially           8        16        3 stride-2 stages; the
+           reversible, 16..128 channels)                              2³ bottleneck needs >1
+                                                                      voxel for InstanceNorm
 =========  ======================================  =======  ========  ========================
 
 ``min_size`` applies to every spatial edge: a simple sufficient rule (some anisotropic shapes
@@ -226,6 +229,22 @@ def _resnet3d(spatial_size: SpatialSize | None = None, **kwargs: Any) -> nn.Modu
     return resnet18(**{**config, **kwargs})
 
 
+def _revunet(spatial_size: SpatialSize | None = None, **kwargs: Any) -> nn.Module:
+    from remat3d.nn.revunet import RevUNet
+
+    # Partially reversible U-Net (Brügger et al. 2019): a reversible sequence of additive
+    # couplings per level and path, plain strided / transposed convolutions between levels.
+    config = {
+        "spatial_dims": 3,
+        "in_channels": 1,
+        "out_channels": 2,
+        "channels": (16, 32, 64, 128),
+        "blocks": 2,
+        "norm": ("instance", {"affine": True}),
+    }
+    return RevUNet(**{**config, **kwargs})
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -303,6 +322,17 @@ PRESETS: dict[str, Preset] = {
             "must see more than one value at batch size 1",
             factory=_resnet3d,
             task="classification",
+        ),
+        Preset(
+            "revunet",
+            "Partially reversible 3D U-Net (remat3d.nn.RevUNet): channels (16, 32, 64, 128), "
+            "2 additive couplings per level and path, InstanceNorm; divisor 8, min 16.",
+            divisor=8,
+            min_size=16,
+            divisor_rule="2^3 downsamplings",
+            min_size_rule="the 2^3-downsampled bottleneck must hold more than one voxel for "
+            "InstanceNorm in training",
+            factory=_revunet,
         ),
     )
 }
