@@ -227,11 +227,12 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
             low = mid
         else:
             high = mid
-    if best is None:  # the most frugal plans are the last resort
-        for frugal in _frugal_plans(stages, options, make, build):
-            if (frugal.verified_peak_bytes or 0) <= budget and (
-                    best is None or (frugal.recompute_flops or 0) < (best.recompute_flops or 0)):
-                best = frugal
+    # the fixed strategies and the most frugal plans compete too: optimal never costs more
+    # than any of them at a budget they keep
+    for other in _candidates(stages, options, make, build):
+        if (other.verified_peak_bytes or 0) <= budget and (
+                best is None or (other.recompute_flops or 0) < (best.recompute_flops or 0)):
+            best = other
     return best
 
 
@@ -291,36 +292,37 @@ def _prune(best: Plan, budget: int, stages: StageModel,
     return best
 
 
-def _frugal_plans(stages: StageModel, options: PlannerOptions,
-                  make: Callable[[int], Plan | None],
-                  build: Callable[[Decisions], Plan]) -> list[Plan]:
-    """Candidates for the smallest peak: the model's, every block, every stage, and every
-    stage inside nested regions on every container (the deepest recomputation)."""
+def _candidates(stages: StageModel, options: PlannerOptions,
+                make: Callable[[int], Plan | None],
+                build: Callable[[Decisions], Plan]) -> list[Plan]:
+    """Plans every budget search also considers: the model's most frugal one, every
+    stage, every stage inside nested regions on every container (the deepest
+    recomputation), and the fixed strategies (blocks, uniform, sqrt, balanced, recursive)."""
     plans = []
     frugal = make(min_peak(stages, offload=options.offload,
                            recomputable=options.recomputable)[0])
     if frugal is not None:
         plans.append(frugal)
     ok = options.recomputable or [True] * len(stages.stages)
-    for every in (False, True):
-        plans.append(build(Decisions([
-            RECOMPUTE if (every or st.is_block) and ok[st.index] else KEEP
-            for st in stages.stages])))
+    every = [RECOMPUTE if ok[st.index] else KEEP for st in stages.stages]
+    plans.append(build(Decisions(every)))
     nested = [(name, call) for name, call, covered in stages.containers
               if all(ok[i] for i in covered)]
     if nested:
-        plans.append(build(Decisions([RECOMPUTE if ok[st.index] else KEEP
-                                      for st in stages.stages], containers=nested)))
+        plans.append(build(Decisions(every, containers=nested)))
+    for name in ("blocks", "uniform", "sqrt", "balanced", "recursive"):
+        plans.append(build(get_strategy(name)(stages, None, options)))
     return plans
 
 
 def smallest_feasible_budget(model: nn.Module, shapes: list[tuple[int, ...]],
                              stages: StageModel, options: PlannerOptions, amp: str | None,
                              loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
-    """The smallest verified peak among the most frugal plans known."""
+    """The smallest verified peak among the plans every search considers."""
 
     def build(result: Decisions) -> Plan:
-        p = Plan(regions=_regions(stages, result.decisions, result.policies))
+        p = Plan(regions=_regions(stages, result.decisions, result.policies,
+                                  result.containers))
         p.verified_peak_bytes, p.recompute_flops = _verify(model, shapes, p, amp, loss_fn)
         return p
 
@@ -329,4 +331,4 @@ def smallest_feasible_budget(model: nn.Module, shapes: list[tuple[int, ...]],
                           recomputable=options.recomputable)
         return None if decisions is None else build(Decisions(decisions))
 
-    return min(p.verified_peak_bytes or 0 for p in _frugal_plans(stages, options, make, build))
+    return min(p.verified_peak_bytes or 0 for p in _candidates(stages, options, make, build))
