@@ -29,8 +29,8 @@ def test_budget_sweep_keeps_every_budget(basicunet):
     smallest = _smallest(basicunet, SHAPE)
     assert smallest < unplanned
     peaks, costs = [], []
-    for k in range(8):
-        budget = smallest + (unplanned - smallest) * k // 7
+    for k in range(6):
+        budget = smallest + (unplanned - smallest) * k // 5
         p = remat3d.plan(basicunet, SHAPE, budget=budget)
         assert p.verified_peak_bytes <= budget, (budget, p.verified_peak_bytes)
         peaks.append(p.verified_peak_bytes)

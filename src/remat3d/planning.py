@@ -143,6 +143,8 @@ def plan(
     options = PlannerOptions(offload=offload)
     solver = get_strategy(strategy)
 
+    verified: dict[tuple, tuple[int, int]] = {}
+
     def build(result: Decisions) -> Plan:
         candidate = Plan(
             regions=_regions(stages, result.decisions, result.policies, result.containers),
@@ -151,11 +153,14 @@ def plan(
             strategy=strategy, predicted_peak_bytes=stages.peak(result.decisions),
         )
         if verify:
-            try:
-                peak, flops = _verify(model, shapes, candidate, amp, loss_fn)
-            except InPlaceInputError as exc:
-                raise Remat3dError(f"Plan could not be verified: {exc}") from exc
-            candidate.verified_peak_bytes, candidate.recompute_flops = peak, flops
+            signature = tuple((r.module, tuple(r.calls or ()), r.decision, str(r.policy))
+                              for r in candidate.regions)
+            if signature not in verified:  # searches revisit plans: measure each once
+                try:
+                    verified[signature] = _verify(model, shapes, candidate, amp, loss_fn)
+                except InPlaceInputError as exc:
+                    raise Remat3dError(f"Plan could not be verified: {exc}") from exc
+            candidate.verified_peak_bytes, candidate.recompute_flops = verified[signature]
         else:
             candidate.recompute_flops = stages.recompute_flops(result.decisions)
         return candidate
