@@ -8,7 +8,11 @@ from remat3d import zoo
 from remat3d.instrument.validate import validate_preset
 
 
-@pytest.mark.parametrize("name", zoo.preset_names())
+SLOW = {"swinunetr"}  # about a minute of CPU; run with -m slow
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in zoo.preset_names()])
 def test_tracker_matches_allocator_and_flops_match_flop_counter(name):
     row = validate_preset(name)
     assert row.peak_error <= 0.02, row

@@ -35,7 +35,7 @@ def test_torture_model_under_bf16_autocast(family):
     assert_exact(model, x, plans_for(model, x)[family], amp="bf16")
 
 
-FAST = ["unet", "basicunet", "segresnet", "unetr", "resnet3d"]
+FAST = ["unet", "basicunet", "segresnet", "resnet3d"]
 
 
 def _preset_case(name):
@@ -57,12 +57,13 @@ def test_zoo_presets(name, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", PLAN_FAMILIES)
-@pytest.mark.parametrize("name", ["nnunet", "swinunetr"])
+@pytest.mark.parametrize("name", ["nnunet", "swinunetr", "unetr"])
 def test_zoo_presets_large(name, family):
     model, x = _preset_case(name)
     assert_exact(model, x, plans_for(model, x)[family])
 
 
-def test_nnunet_every_block():
-    model, x = _preset_case("nnunet")
+@pytest.mark.parametrize("name", ["nnunet", "unetr"])
+def test_large_presets_every_block(name):
+    model, x = _preset_case(name)
     assert_exact(model, x, plans_for(model, x)["every-block"])
