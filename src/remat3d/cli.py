@@ -71,22 +71,9 @@ def profile_command(
     top: int = typer.Option(12, "--top", help="Rows in the table of modules."),
 ) -> None:
     """Measure one training step: peak memory, what is saved for backward, FLOPs."""
-    from remat3d import zoo
     from remat3d.profiling import profile
-    from remat3d.units import parse_shape
 
-    kwargs = zoo.parse_model_kwargs(model_kwargs)
-    preset = zoo.PRESETS.get(model)
-    if input is None:
-        channels = int(kwargs.get("in_channels", preset.in_channels if preset else 1))
-        shape = (1, channels, 128, 128, 128)
-    else:
-        shape = parse_shape(input)
-    if preset is not None:
-        zoo.check_input_shape(preset, shape, kwargs)
-    if len(shape) < 3:
-        raise Remat3dError(f"Input shape {input!r} needs batch, channels and spatial sizes.")
-    net = zoo.build_model(model, kwargs, spatial_size=tuple(shape[2:]), device="meta")
+    net, shape = _build(model, input, model_kwargs)
     with console.status(f"profiling {model} at {'x'.join(map(str, shape))} on {device}",
                         spinner="dots") if json_out != "-" else contextlib.nullcontext():
         prof = profile(net, shape, device=device, amp=None if amp == "none" else amp)
