@@ -24,7 +24,7 @@ from torch import nn
 from remat3d.errors import BudgetError, Remat3dError
 from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
-from remat3d.planner.optimal import min_peak, solve
+from remat3d.planner.optimal import min_peak
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, StageModel, build_stages
 from remat3d.planspec import Plan, Region
@@ -178,7 +178,7 @@ def plan(
         if chosen is not None and verify:
             chosen = _prune(chosen, budget_bytes, stages, build)
         if chosen is None:
-            smallest = smallest_feasible_budget(model, shapes, stages, options, amp, loss_fn)
+            smallest = _smallest_feasible(stages, options, make, build)
             raise BudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
                 f"{type(model).__name__} {' '.join('x'.join(map(str, s)) for s in shapes)} "
@@ -320,20 +320,9 @@ def _candidates(stages: StageModel, options: PlannerOptions,
     return plans
 
 
-def smallest_feasible_budget(model: nn.Module, shapes: list[tuple[int, ...]],
-                             stages: StageModel, options: PlannerOptions, amp: str | None,
-                             loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
-    """The smallest verified peak among the plans every search considers."""
-
-    def build(result: Decisions) -> Plan:
-        p = Plan(regions=_regions(stages, result.decisions, result.policies,
-                                  result.containers))
-        p.verified_peak_bytes, p.recompute_flops = _verify(model, shapes, p, amp, loss_fn)
-        return p
-
-    def make(target: int) -> Plan | None:
-        decisions = solve(stages, target, offload=options.offload,
-                          recomputable=options.recomputable)
-        return None if decisions is None else build(Decisions(decisions))
-
+def _smallest_feasible(stages: StageModel, options: PlannerOptions,
+                       make: Callable[[int], Plan | None],
+                       build: Callable[[Decisions], Plan]) -> int:
+    """The smallest verified peak among the plans every search considers (``build``
+    measures each distinct plan once, so the search's candidates are not measured again)."""
     return min(p.verified_peak_bytes or 0 for p in _candidates(stages, options, make, build))

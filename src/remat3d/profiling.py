@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from remat3d.graph import CostGraph, Edge, Node, atomic_write_text
+from remat3d.instrument.ledger import unique_storage_bytes
 from remat3d.instrument.step import prepare_step, run_step
 from remat3d.instrument.tracker import MemoryTracker
 from remat3d.units import format_bytes, format_shape
@@ -159,13 +160,9 @@ def _timeline(tracker: MemoryTracker, graph: CostGraph) -> list[dict[str, Any]]:
     """
     assert tracker.invocations is not None
     by_key = {(n.name, n.call_index): n.id for n in graph.nodes}
-    node_of: dict[int, int | None] = {}
-    forward = 0
+    node_of: dict[int, int | None] = dict(_forward_node_ids(tracker))
     for inv in tracker.invocations.invocations:
-        if inv.phase == "forward":
-            node_of[inv.id] = forward
-            forward += 1
-        else:
+        if inv.phase != "forward":
             node_of[inv.id] = by_key.get((inv.name, inv.call_index))
     events = []
     for e in tracker.timeline:
@@ -175,12 +172,11 @@ def _timeline(tracker: MemoryTracker, graph: CostGraph) -> list[dict[str, Any]]:
     return events
 
 
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[id(storage)] = storage.nbytes()
-    return sum(seen.values())
+def _forward_node_ids(tracker: MemoryTracker) -> dict[int, int]:
+    """Tracker invocation id -> CostGraph node id, for forward invocations."""
+    assert tracker.invocations is not None
+    forward = [i for i in tracker.invocations.invocations if i.phase == "forward"]
+    return {inv.id: k for k, inv in enumerate(forward)}
 
 
 def graph_from_tracker(
@@ -189,7 +185,7 @@ def graph_from_tracker(
     """Turn what the tracker recorded in forward/backward into a :class:`CostGraph`."""
     assert tracker.invocations is not None
     invocations = [i for i in tracker.invocations.invocations if i.phase == "forward"]
-    node_of = {inv.id: k for k, inv in enumerate(invocations)}
+    node_of = _forward_node_ids(tracker)
     nodes = [
         Node(
             id=k,
@@ -250,9 +246,9 @@ def graph_from_tracker(
         device=tracker.device,
         peak_bytes=tracker.peak_bytes,
         saved_bytes=tracker.saved_bytes,
-        param_bytes=_unique_bytes(list(model.parameters())),
-        buffer_bytes=_unique_bytes(list(model.buffers())),
-        input_bytes=_unique_bytes([x for x in inputs if isinstance(x, torch.Tensor)]),
+        param_bytes=unique_storage_bytes(list(model.parameters())),
+        buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        input_bytes=unique_storage_bytes([x for x in inputs if isinstance(x, torch.Tensor)]),
         forward_flops=tracker.flops["forward"],
         backward_flops=tracker.flops["backward"] + tracker.flops["recompute"],
         unattributed=unattributed,

@@ -7,7 +7,6 @@ import pytest
 from remat3d import zoo
 from remat3d.instrument.validate import validate_preset
 
-
 SLOW = {"swinunetr"}  # about a minute of CPU; run with -m slow
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StorageLedger", "StorageRecord", "allocation_bytes"]
+__all__ = ["StorageLedger", "StorageRecord", "allocation_bytes", "unique_storage_bytes"]
 
 _CUDA_BLOCK = 512
 
@@ -34,6 +34,15 @@ def allocation_bytes(nbytes: int, device_type: str) -> int:
     if device_type == "cuda" and nbytes > 0:
         return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
     return nbytes
+
+
+def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views and aliases count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
 
 
 @dataclass

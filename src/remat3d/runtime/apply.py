@@ -66,6 +66,7 @@ class AppliedPlan:
     handles: list[Any] = field(default_factory=list)
     group: int = 0
     prefetch: dict[int, list[Any]] = field(default_factory=dict)
+    logger: Any = None  # the saved-tensor log active during the current forward
 
 
 def applied_state(model: nn.Module) -> AppliedPlan | None:
@@ -220,14 +221,14 @@ def _start_log(state: AppliedPlan) -> Callable[..., None]:
         if not is_recomputing() and torch.is_grad_enabled():
             logger = _LogSaved(state)
             logger.__enter__()
-            state.__dict__["_logger"] = logger
+            state.logger = logger
 
     return hook
 
 
 def _stop_log(state: AppliedPlan) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        logger = state.__dict__.pop("_logger", None)
+        logger, state.logger = state.logger, None
         if logger is not None:
             logger.__exit__(None, None, None)
 

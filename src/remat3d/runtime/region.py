@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from remat3d.errors import Remat3dError
 from remat3d.instrument.amp import MetaAutocast, active_meta_autocast
+from remat3d.instrument.ledger import unique_storage_bytes
 from remat3d.runtime.guards import (
     BufferGuard,
     ModuleStack,
@@ -60,13 +61,6 @@ def _owner_module(fn: Any) -> nn.Module | None:
         return fn
     owner = getattr(fn, "__self__", None)
     return owner if isinstance(owner, nn.Module) else None
-
-
-def _tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 class _Stack(contextlib.ExitStack):
@@ -196,7 +190,7 @@ def _checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, *, policy: An
                                                   stats)
     if stats is not None and not is_recomputing():
         stats.forward_runs += 1
-        stats.input_bytes += _tensor_bytes(tensors)
+        stats.input_bytes += unique_storage_bytes(tensors)
     return torch_checkpoint(
         region.run, *args, use_reentrant=False, context_fn=region.contexts,
         preserve_rng_state=True, determinism_check="default", **kwargs,
