@@ -194,3 +194,102 @@ def test_more_memory_never_costs_more():
 def test_discretise_is_conservative():
     units, budget = discretise([1000, 1, 2999], 10_000, slots=10)
     assert budget == 10 and units == [1, 1, 3]
+
+
+def tree_operations(n: int, regions: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """The schedule that nested recompute regions (0-based half-open ranges) run, written
+    from the executor's rules: a scope sweeps its items forward (a region runs plainly,
+    keeping its input; a layer outside sub-regions is taped), then walks them back (a
+    region recomputes its own scope). A region that ends where its scope ends is the same
+    as its items inlined (early stop)."""
+    ops: list[tuple[str, int]] = []
+
+    def scope(s: int, t: int, inner: set[tuple[int, int]]) -> None:  # layers s..t, 1-based
+        inner = {r for r in inner if r[1] != t}  # inline regions ending at the scope's end
+        top = sorted(r for r in inner if not any(o != r and o[0] <= r[0] and r[1] <= o[1]
+                                                 for o in inner))
+        items: list[tuple[int, int]] = []  # (first, last) layers, 1-based
+        j = s
+        while j <= t:
+            region = next((r for r in top if r[0] + 1 == j), None)
+            items.append((j, region[1]) if region else (j, j))
+            j = region[1] + 1 if region else j + 1
+        is_region = {it: it[1] > it[0] or (it[0] - 1, it[1]) in top for it in items}
+        for first, last in items:
+            if is_region[(first, last)]:
+                for k in range(first, last + 1):
+                    ops.append(("F", k))
+                    if k > first:
+                        ops.append(("free", k - 1))
+            else:
+                ops.append(("Ftape", first))
+        ops.append(("free", t))
+        for first, last in reversed(items):
+            if is_region[(first, last)]:
+                scope(first, last, {r for r in inner if first - 1 <= r[0] and r[1] <= last
+                                    and r != (first - 1, last)})
+            else:
+                ops.append(("B", first))
+            if first - 1 != s - 1:
+                ops.append(("free", first - 1))
+
+    scope(1, n, set(regions))
+    return ops
+
+
+def peak_and_cost(chain: Chain, operations) -> tuple[int, float]:
+    stored, tapes, grad, cost, peak = {0}, set(), chain.n, 0.0, 0
+
+    def held() -> int:
+        return (sum(chain.x[i] for i in stored) + sum(chain.tape[i - 1] for i in tapes)
+                + chain.x[grad])
+
+    for op, i in operations:
+        if op == "free":
+            assert i in stored and i + 1 not in tapes
+            stored.discard(i)
+        elif op in ("F", "Ftape"):
+            assert i - 1 in stored and i not in stored
+            extra = chain.x[i] + chain.fwd_extra[i - 1]
+            extra += chain.tape[i - 1] if op == "Ftape" else 0
+            peak = max(peak, held() + extra)
+            stored.add(i)
+            if op == "Ftape":
+                tapes.add(i)
+            cost += chain.f[i - 1]
+        else:
+            assert grad == i and i in tapes and i - 1 in stored
+            peak = max(peak, held() + chain.x[i - 1] + chain.bwd_extra[i - 1])
+            tapes.discard(i)
+            grad = i - 1
+            cost += chain.b[i - 1]
+    assert grad == 0 and stored == {0} and not tapes
+    return max(peak, held()), cost
+
+
+def laminar_families(ranges: list[tuple[int, int]]):
+    for mask in range(1 << len(ranges)):
+        family = [r for k, r in enumerate(ranges) if mask >> k & 1]
+        if all(b <= c or d <= a or (a <= c and d <= b) or (c <= a and b <= d)
+               for (a, b) in family for (c, d) in family):
+            yield family
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_with_allowed_regions_equals_best_region_tree(seed):
+    """Restricted to some regions (as the module tree restricts them), the DP finds the
+    cheapest tree of those regions; unrestricted, it equals the best tree of any regions."""
+    rng = random.Random(300 + seed)
+    n = rng.randint(2, 4)
+    chain = random_chain(rng, n)
+    every = [(a, b) for a in range(n) for b in range(a + 1, n + 1)]
+    allowed = set(every) if seed % 3 == 0 else {r for r in every if rng.random() < 0.5}
+    trees = [(peak_and_cost(chain, tree_operations(n, fam)), fam)
+             for fam in laminar_families(sorted(allowed))]
+    for budget in range(min(p for (p, _), _ in trees), max(p for (p, _), _ in trees) + 1):
+        want = min(c for (p, c), _ in trees if p <= budget)
+        got = solve_chain(chain, budget, allowed=lambda a, b: (a, b) in allowed)
+        assert got is not None and got.cost == pytest.approx(want), (budget, allowed)
+        assert set(got.regions) <= allowed
+        if seed % 3 == 0:
+            assert got.cost == pytest.approx(every_schedule_optimum(chain, budget))

@@ -48,6 +48,7 @@ NOTE [ The chain model ]
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -127,11 +128,15 @@ def discretise(sizes: list[int], budget: int, slots: int = 500) -> tuple[list[in
     return [math.ceil(v / unit) for v in sizes], budget // unit
 
 
-def solve_chain(chain: Chain, budget: int) -> ChainSchedule | None:
+def solve_chain(chain: Chain, budget: int,
+                allowed: Callable[[int, int], bool] | None = None) -> ChainSchedule | None:
     """The least-cost schedule of ``chain`` within ``budget`` units (``None``: none fits).
 
-    Tables are numpy arrays over the memory left, so the work is ``O(n^3)`` vector
-    operations of length ``budget``.
+    ``allowed(start, stop)`` (0-based, half-open layer range) says which recompute regions
+    may be used (default: any); with it, the result is the optimum among the region trees
+    made of allowed regions (e.g. those the module tree can express). Tables are numpy
+    arrays over the memory left, so the work is ``O(n^3)`` vector operations of length
+    ``budget``.
     """
     n = chain.n
     if n == 0:
@@ -173,6 +178,8 @@ def solve_chain(chain: Chain, budget: int) -> ChainSchedule | None:
                 sweep += f[j - 1]
                 held = x[j - 1] if j > s else 0
                 sweep_need = max(sweep_need, x[s - 1] + x[t] + held + x[j] + fx[j - 1])
+                if allowed is not None and not allowed(s - 1, k - 1):
+                    continue
                 trial = sweep + shifted(cost[(k, t)], x[s - 1]) + cost[(s, k - 1)]
                 trial = np.where(memory >= sweep_need, trial, _INF)
                 better = trial < best

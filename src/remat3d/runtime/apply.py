@@ -286,34 +286,44 @@ class _PlannedForward:
             return fn(*args, **kwargs)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
+        """The Sequential's forward with its segment regions; segments may nest (a
+        laminar family: nested or disjoint), outer regions running their inner ones."""
         children = [(n, m) for n, m in self.module._modules.items() if m is not None]
-        starts = {r.segment[0]: r for r in segments if r.segment}
+        names = [n for n, _ in children]
+        spans = sorted(((names.index((r.segment or [""])[0]),
+                         names.index((r.segment or [""])[0]) + len(r.segment or []), r)
+                        for r in segments), key=lambda s: (s[0], -s[1]))
+        for a, b, r in spans:
+            for c, d, q in spans:
+                if a < c < b < d:
+                    raise PlanError(f"Plan regions {r.label} and {q.label} overlap without "
+                                    "one containing the other; segments must nest.")
 
-        def forward(x: Any) -> Any:
-            i = 0
-            while i < len(children):
-                name, child = children[i]
-                region = starts.get(name)
-                if region is None:
-                    x = child(x)
+        def run(lo: int, hi: int, inner: list[tuple[int, int, Region]], x: Any) -> Any:
+            i = lo
+            while i < hi:
+                here = [s for s in inner if s[0] == i]
+                if not here:
+                    x = children[i][1](x)
                     i += 1
                     continue
-                run = [c for _, c in children[i:i + len(region.segment or [])]]
-                x = self._run(region, _chain(run), (x,), {})
-                i += len(run)
+                start, stop, region = here[0]  # the outermost one starting here
+                nested = [s for s in inner if s is not here[0] and start <= s[0]
+                          and s[1] <= stop]
+
+                def body(y: Any, start: int = start, stop: int = stop,
+                         nested: list[tuple[int, int, Region]] = nested) -> Any:
+                    return run(start, stop, nested, y)
+
+                body.__qualname__ = "segment"
+                x = self._run(region, body, (x,), {})
+                i = stop
             return x
 
+        def forward(x: Any) -> Any:
+            return run(0, len(children), spans, x)
+
         return forward
-
-
-def _chain(modules: list[nn.Module]) -> Callable[[Any], Any]:
-    def run(x: Any) -> Any:
-        for m in modules:
-            x = m(x)
-        return x
-
-    run.__qualname__ = "segment"
-    return run
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
