@@ -9,9 +9,12 @@ from __future__ import annotations
 
 __all__ = [
     "BudgetError",
+    "DataError",
     "InputShapeError",
     "ModelSpecError",
     "Remat3dError",
+    "SettingsError",
+    "WeightsError",
 ]
 
 
@@ -29,3 +32,15 @@ class InputShapeError(Remat3dError, ValueError):
 
 class BudgetError(Remat3dError, ValueError):
     """A memory budget or byte size could not be parsed, or is infeasible."""
+
+
+class DataError(Remat3dError, ValueError):
+    """A dataset, datalist or volume is unusable (missing, unreadable, mismatched, NaN/Inf)."""
+
+
+class SettingsError(Remat3dError, ValueError):
+    """A training settings file or ``--key=value`` override is unknown or invalid."""
+
+
+class WeightsError(Remat3dError, ValueError):
+    """A pretrained weights file cannot be read or does not fit the model."""

@@ -42,12 +42,14 @@ from remat3d.instrument.ledger import StorageLedger, StorageRecord
 
 __all__ = ["PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
 
-PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "saved", "transient")
+PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "optimizer", "saved",
+                   "transient")
 _CATEGORY_OF = {
     "param": "parameters",
     "buffer": "buffers",
     "input": "inputs",
     "grad": "gradients",
+    "optimizer": "optimizer",  # optimizer state registered by a training loop
     "saved": "saved",
     "activation": "transient",
 }

@@ -1,0 +1,531 @@
+"""The training loop: whole volumes, a plan fitted to the memory budget, exact resume.
+
+Reads top to bottom: :class:`Trainer` sets up (model, weights, data, plans) in ``__init__``,
+then :meth:`Trainer.fit` runs the epochs. Every step is one whole (padded) volume, or
+``batch_size`` volumes of one shape; volumes of different shapes each get their own plan,
+made once per shape and swapped in when the shape changes.
+
+Loss: Dice + cross-entropy (MONAI ``DiceCELoss``) on softmax outputs, in fp32. Validation:
+mean Dice over the foreground classes (MONAI ``compute_dice``) on the unpadded volume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from remat3d.data.datalist import read_datalist, split_validation
+from remat3d.data.dataset import Sample, VolumeDataset
+from remat3d.data.padding import Geometry, crop_back, probe_geometry
+from remat3d.data.volumes import Preprocessing
+from remat3d.errors import BudgetError, DataError, SettingsError
+from remat3d.graph import atomic_write_text
+from remat3d.planspec import Plan
+from remat3d.train.settings import TrainSettings
+from remat3d.train.state import (
+    check_resumable,
+    load_state,
+    rng_state,
+    save_state,
+    set_rng_state,
+)
+from remat3d.train.weights import LoadReport, apply_freeze, load_pretrained
+from remat3d.units import format_bytes
+
+__all__ = ["Interrupted", "TrainResult", "Trainer", "train"]
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+
+
+class Interrupted(Exception):
+    """Raised by ``interrupt_after``: stands in for a killed process in tests."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    epochs: int
+    steps: int                                   # optimizer steps
+    losses: list[float] = field(default_factory=list)           # per micro-batch
+    validation: list[dict[str, Any]] = field(default_factory=list)
+    peaks: dict[Shape, int] = field(default_factory=dict)       # measured, per input shape
+    plans: dict[Shape, Plan] = field(default_factory=dict)
+
+
+def train(settings: TrainSettings, *, resume: bool = False,
+          say: Callable[[str], None] = logger.info,
+          interrupt_after: int | None = None) -> TrainResult:
+    """Run ``settings`` to the end (or continue an interrupted run with ``resume=True``)."""
+    with _deterministic(settings):
+        trainer = Trainer(settings, say=say)
+        return trainer.fit(resume=resume, interrupt_after=interrupt_after)
+
+
+@contextlib.contextmanager
+def _deterministic(settings: TrainSettings) -> Iterator[None]:
+    """Deterministic algorithms for the run, restored afterwards (a library call must not
+    leave global switches changed)."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    if settings.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # CUDA lacks deterministic kernels for a few backward ops (e.g. trilinear upsampling):
+        # there it warns instead of failing; on CPU every op used here is deterministic.
+        torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+        torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SettingsError(f"Setting device={name!r}, but there is no CUDA device here. "
+                            "Use device: cpu (or auto).")
+    return device
+
+
+def amp_dtype(name: str) -> torch.dtype | None:
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+class Trainer:
+    """A configured run: model (with pretrained weights and freezing), data, loss, plans."""
+
+    def __init__(self, settings: TrainSettings, *, say: Callable[[str], None] = logger.info,
+                 model: nn.Module | None = None) -> None:
+        from monai.losses import DiceCELoss
+
+        settings.validate()
+        self.settings = settings
+        self.say = say
+        self.device = resolve_device(settings.device)
+        self.amp = amp_dtype(settings.amp)
+        self.output_dir = Path(settings.output_dir)
+        seed_everything(settings.seed)
+        self.model, self.load_report = self._build_model(model)
+        self.geometry = self._geometry()
+        self.train_set, self.val_set = self._datasets()
+        self.loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+        self.plans: dict[Shape, Plan | None] = {}
+        self.peaks: dict[Shape, int] = {}
+        self._applied: Shape | None = None
+        self._peak_final: set[Shape] = set()
+        self.step_shapes = self.train_set.check()
+        self.val_shapes = self.val_set.check() if self.val_set else []
+        if settings.batch_size > 1 and len(set(self.step_shapes)) > 1:
+            raise DataError(
+                f"batch_size={settings.batch_size} needs volumes of one shape, but the padded "
+                f"volumes have {len(set(self.step_shapes))} shapes "
+                f"({', '.join('x'.join(map(str, s)) for s in sorted(set(self.step_shapes))[:4])}"
+                "). Use batch_size: 1 with accumulate: N for the same effective batch."
+            )
+        self.optimizer = self._optimizer()
+        self.scaler = (torch.amp.GradScaler(self.device.type) if self.amp is torch.float16
+                       else None)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build_model(self, model: nn.Module | None) -> tuple[nn.Module, LoadReport | None]:
+        from remat3d import zoo
+
+        s = self.settings
+        if model is None:
+            model = zoo.build_model(s.model, s.model_kwargs)
+        report = None
+        if s.pretrained:
+            report = load_pretrained(model, s.pretrained)
+            self.say(str(report))
+        frozen = apply_freeze(model, s.freeze, s.unfreeze)
+        if frozen:
+            self.say(f"frozen: {len(frozen)} parameter tensors ({', '.join(frozen[:4])}"
+                     f"{' …' if len(frozen) > 4 else ''})")
+        return model.to(self.device), report
+
+    def _geometry(self) -> Geometry:
+        from remat3d import zoo
+
+        s = self.settings
+        if s.model.strip().lower() in zoo.preset_names():
+            preset = zoo.get_preset(s.model)
+            if preset.task != "segmentation":
+                raise SettingsError(
+                    f"Preset {preset.name!r} is a {preset.task} network; remat3d train "
+                    "fine-tunes segmentation networks (nnunet, unet, basicunet, segresnet, "
+                    "swinunetr, unetr)."
+                )
+            in_channels = int(s.model_kwargs.get("in_channels", preset.in_channels))
+            divisor = s.divisible_by or preset.divisor
+            probed = probe_geometry(self.model, in_channels, divisible_by=divisor)
+            return Geometry(in_channels, probed.out_channels, divisor, preset.min_size,
+                            reason=preset.min_size_rule)
+        return probe_geometry(self.model, s.model_kwargs.get("in_channels"), s.divisible_by)
+
+    def _datasets(self) -> tuple[VolumeDataset, VolumeDataset | None]:
+        s = self.settings
+        datalist = read_datalist(s.data)
+        training, validation = datalist.training, datalist.validation
+        if not validation:
+            training, validation = split_validation(training, s.val_fraction, s.seed)
+        prep = Preprocessing(
+            orientation=s.orientation,
+            spacing=tuple(s.spacing) if s.spacing else None,  # type: ignore[arg-type]
+            intensity=s.intensity, ct_window=tuple(s.ct_window),  # type: ignore[arg-type]
+        )
+        patch = tuple(s.patch_size) if s.patch_size else None
+        train_set = VolumeDataset(training, prep, self.geometry, cache=s.cache,
+                                  patch_size=patch, seed=s.seed)  # type: ignore[arg-type]
+        val_set = (VolumeDataset(validation, prep, self.geometry, cache=s.cache)
+                   if validation else None)
+        self.say(f"data: {len(training)} training and {len(validation)} validation volume(s) "
+                 f"from {datalist.source}")
+        return train_set, val_set
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        s = self.settings
+        loaded = set(self.load_report.loaded) if self.load_report else set()
+        pretrained: list[nn.Parameter] = []
+        new: list[nn.Parameter] = []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (pretrained if name in loaded else new).append(p)
+        if not pretrained and not new:
+            raise SettingsError("Every parameter is frozen: nothing to train. Loosen "
+                                "'freeze' or add 'unfreeze' patterns.")
+        groups = [g for g in (
+            {"params": new, "lr": s.lr},
+            {"params": pretrained, "lr": s.lr if s.pretrained_lr is None else s.pretrained_lr},
+        ) if g["params"]]
+        if s.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=s.lr, momentum=0.99, nesterov=True,
+                                   weight_decay=s.weight_decay)
+        return torch.optim.AdamW(groups, lr=s.lr, weight_decay=s.weight_decay)
+
+    # ------------------------------------------------------------------ plans
+
+    def input_shape(self, spatial: Shape, batch: int | None = None) -> Shape:
+        return (batch or self.settings.batch_size, self.geometry.in_channels, *spatial)
+
+    def planning_loss(self, shape: Shape) -> Callable[[Any], torch.Tensor]:
+        """The training loss against a meta label, so the plan counts what the loss keeps."""
+        label = torch.zeros((shape[0], 1, *shape[2:]), dtype=torch.long, device="meta")
+        scale = 1.0 / self.settings.accumulate  # as in forward_backward, to the byte
+        return lambda output: self.loss_fn(output.float(), label) * scale
+
+    def extra_bytes(self, shape: Shape) -> int:
+        """Bytes a training step holds beyond what ``remat3d.plan`` measures: the label
+        (int64) and the optimizer state (AdamW: two moments per trainable weight; SGD: one
+        momentum buffer), which stays alive through every step after the first."""
+        label = shape[0] * int(np.prod(shape[2:])) * 8
+        weights = [p for p in self.model.parameters() if p.requires_grad]
+        trainable = sum(p.numel() * p.element_size() for p in weights)
+        if self.settings.optimizer == "adamw":  # exp_avg, exp_avg_sq and a float32 step count
+            return label + 2 * trainable + 4 * len(weights)
+        return label + trainable
+
+    def make_plans(self) -> dict[Shape, Plan | None]:
+        """One verified plan per distinct input shape (none if memory_budget is 'none').
+
+        The budget is for the whole step: the planner gets it less :meth:`extra_bytes`, and
+        a fraction like ``"0.5x"`` is of the unplanned step including those bytes.
+        """
+        import remat3d
+        from remat3d.planning import resolve_budget
+
+        s = self.settings
+        amp = None if s.amp == "none" else s.amp
+        for spatial in sorted(set(self.step_shapes)):
+            shape = self.input_shape(spatial)
+            if shape in self.plans:
+                continue
+            if s.memory_budget.strip().lower() == "none":
+                self.plans[shape] = None
+                continue
+            started = time.perf_counter()
+            loss_fn = self.planning_loss(shape)
+            extra = self.extra_bytes(shape)
+            unplanned = remat3d.profile(self.model, shape, amp=amp, loss_fn=loss_fn).peak_bytes
+            budget = resolve_budget(s.memory_budget, unplanned + extra)
+            if budget <= extra:
+                raise BudgetError(
+                    f"memory_budget {s.memory_budget!r} ({format_bytes(budget)}) does not even "
+                    f"hold the optimizer state and label ({format_bytes(extra)}) of a "
+                    f"{'x'.join(map(str, shape))} step; the unplanned step needs "
+                    f"{format_bytes(unplanned + extra)}. Raise the budget."
+                )
+            try:
+                plan = remat3d.plan(self.model, shape, budget=budget - extra,
+                                    strategy=s.strategy, offload=s.offload, amp=amp,
+                                    loss_fn=loss_fn)
+            except BudgetError as exc:
+                raise BudgetError(
+                    f"memory_budget {s.memory_budget!r} = {format_bytes(budget)} for the "
+                    f"whole step, of which {format_bytes(extra)} is optimizer state and "
+                    f"label; for the rest: {exc}"
+                ) from None
+            self.plans[shape] = plan
+            self.say(f"plan for {'x'.join(map(str, shape))} ({s.strategy}): budget "
+                     f"{format_bytes(budget)} = {format_bytes(extra)} optimizer state and label"
+                     f" + {format_bytes(budget - extra)} for the step; {len(plan.regions)} "
+                     f"regions; verified peak {format_bytes((plan.verified_peak_bytes or 0) + extra)}"
+                     f" (unplanned {format_bytes(unplanned + extra)}); recompute "
+                     f"{(plan.recompute_flops or 0) / 1e9:.2f} GFLOP; planned in "
+                     f"{time.perf_counter() - started:.1f} s")
+        return self.plans
+
+    def use_plan(self, shape: Shape | None) -> None:
+        """Install the plan for ``shape`` (``None``: no plan) if another one is in place."""
+        import remat3d
+        from remat3d.runtime.apply import applied_state
+
+        plan = self.plans.get(shape) if shape is not None else None
+        if self._applied == shape and (plan is None) == (applied_state(self.model) is None):
+            return
+        if applied_state(self.model) is not None:
+            remat3d.remove(self.model)
+        if plan is not None:
+            remat3d.apply(self.model, plan)
+        self._applied = shape
+
+    # ------------------------------------------------------------------ steps
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp)
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's order, a function of (seed, epoch) only, cut into batches."""
+        generator = torch.Generator().manual_seed(self.settings.seed * 7919 + epoch)
+        order = torch.randperm(len(self.train_set), generator=generator).tolist()
+        size = self.settings.batch_size
+        return [order[i:i + size] for i in range(0, len(order), size)]
+
+    def load_batch(self, indices: list[int], epoch: int) -> Sample:
+        samples = [self.train_set.sample(i, epoch) for i in indices]
+        image = torch.cat([s.image for s in samples]).to(self.device)
+        label = torch.cat([s.label for s in samples]).to(self.device)
+        return Sample(",".join(s.name for s in samples), image, label, samples[0].shape)
+
+    def forward_backward(self, sample: Sample, scale: float = 1.0) -> float:
+        """One micro-batch: forward (autocast), Dice+CE in fp32, backward. Returns the loss.
+
+        The first step of each input shape runs under the memory tracker (on CUDA: the
+        allocator's peak every step) so the log shows the measured peak.
+        """
+        shape = tuple(sample.image.shape)
+        state = [t for st in self.optimizer.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor)]
+        # measured once per shape, on a step where the optimizer state already exists
+        track = self.device.type != "cuda" and (shape not in self.peaks
+                                                or shape not in self._peak_final)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        tracker = None
+        if track:
+            from remat3d.instrument.tracker import MemoryTracker
+
+            tracker = MemoryTracker(self.device)
+            tracker.register_model(self.model)
+            tracker.register([sample.image, sample.label], "input")
+            tracker.register(state, "optimizer")
+        with tracker if tracker is not None else contextlib.nullcontext():
+            with self.autocast():
+                output = self.model(sample.image)
+            loss = self.loss_fn(output.float(), sample.label)
+            scaled = loss * scale
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        if tracker is not None:
+            self.peaks[shape] = tracker.peak_bytes
+            if state:
+                self._peak_final.add(shape)
+            tracker.close()
+        elif self.device.type == "cuda":
+            self.peaks[shape] = torch.cuda.max_memory_allocated(self.device)
+        return float(loss.detach())
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def predict(self, sample: Sample) -> torch.Tensor:
+        """Class index per voxel ``(D, H, W)`` of the unpadded volume."""
+        self.use_plan(None)  # no graph is kept under no_grad: a plan has nothing to save
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.autocast():
+                output = self.model(sample.image.to(self.device))
+        finally:
+            self.model.train(was_training)
+        return crop_back(output.float().argmax(1)[0], sample.shape).cpu()
+
+    def validate(self) -> dict[str, Any]:
+        """Mean foreground Dice over the validation volumes (and per class)."""
+        from monai.metrics import compute_dice
+        from monai.networks.utils import one_hot
+
+        if self.val_set is None:
+            return {}
+        classes = self.geometry.out_channels
+        scores = []
+        for i in range(len(self.val_set)):
+            sample = self.val_set.sample(i)
+            prediction = self.predict(sample)
+            truth = crop_back(sample.label[0, 0], sample.shape)
+            scores.append(compute_dice(
+                one_hot(prediction[None, None], classes), one_hot(truth[None, None], classes),
+                include_background=False, ignore_empty=True)[0])
+        per_class = torch.nanmean(torch.stack(scores), dim=0)
+        return {"dice": float(torch.nanmean(per_class)),
+                "dice_per_class": [float(v) for v in per_class]}
+
+    # ------------------------------------------------------------------ the run
+
+    def fit(self, *, resume: bool = False, interrupt_after: int | None = None) -> TrainResult:
+        s = self.settings
+        self.model.train()
+        log = _Log(self.output_dir / "log.jsonl")
+        epoch, position, step = 0, 0, 0
+        if resume:
+            state = load_state(self.output_dir)
+            check_resumable(state["settings"], s.to_dict())
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"])
+            epoch, position, step = state["epoch"], state["position"], state["step"]
+            log.truncate(state["log_lines"])
+            self.say(f"resuming {self.output_dir} at epoch {epoch + 1}, step {step}")
+        else:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            log.truncate(0)
+            import yaml
+
+            atomic_write_text(self.output_dir / "settings.yaml",
+                              yaml.safe_dump(s.to_dict(), sort_keys=False))
+        self.make_plans()
+        result = TrainResult(self.output_dir, epoch, step,
+                             plans={k: v for k, v in self.plans.items() if v is not None})
+
+        def save(epoch_: int, position_: int) -> None:
+            save_state(self.output_dir, {
+                "settings": s.to_dict(), "epoch": epoch_, "position": position_, "step": step,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "rng": rng_state(), "log_lines": log.lines,
+            })
+
+        while epoch < s.epochs:
+            batches = self.batches(epoch)
+            bar = _progress(len(batches), f"epoch {epoch + 1}/{s.epochs}", s.progress,
+                            initial=position)
+            pending = 0  # micro-batches accumulated since the last optimizer step
+            for index in range(position, len(batches)):
+                sample = self.load_batch(batches[index], epoch)
+                shape = tuple(sample.image.shape)
+                self.use_plan(shape)
+                started = time.perf_counter()
+                loss = self.forward_backward(sample, scale=1.0 / s.accumulate)
+                pending += 1
+                result.losses.append(loss)
+                last = index == len(batches) - 1
+                if pending == s.accumulate or last:
+                    self.optimizer_step()
+                    pending = 0
+                    step += 1
+                log.write({"event": "step", "epoch": epoch + 1, "batch": index + 1,
+                           "step": step, "loss": loss, "volume": sample.name,
+                           "shape": list(shape), "peak_bytes": self.peaks.get(shape),
+                           "seconds": round(time.perf_counter() - started, 4)})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}",
+                                peak=format_bytes(self.peaks[shape]) if shape in self.peaks
+                                else "?")
+                if pending == 0 and not last and step % s.save_every == 0:
+                    save(epoch, index + 1)
+                if pending == 0 and interrupt_after is not None and step >= interrupt_after:
+                    bar.close()
+                    raise Interrupted(f"interrupted after optimizer step {step}")
+            bar.close()
+            epoch, position = epoch + 1, 0
+            if self.val_set is not None and (epoch % s.val_every == 0 or epoch == s.epochs):
+                metrics = self.validate()
+                log.write({"event": "validation", "epoch": epoch, "step": step, **metrics})
+                result.validation.append({"epoch": epoch, **metrics})
+                self.say(f"epoch {epoch}: validation Dice {metrics['dice']:.4f}")
+            save(epoch, 0)
+        self.use_plan(None)
+        _save_weights(self.output_dir / "model.pt", self.model)
+        result.epochs, result.steps = epoch, step
+        result.peaks = dict(self.peaks)
+        return result
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _Log:
+    """The JSON-lines log; on resume it is cut back to the lines the state file knew."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lines = 0
+
+    def truncate(self, lines: int) -> None:
+        kept = self.path.read_text().splitlines()[:lines] if self.path.exists() else []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        self.lines = len(kept)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.lines += 1
+
+
+def _progress(total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, initial=initial, leave=False,
+                dynamic_ncols=True)
+
+
+def _save_weights(path: Path, model: nn.Module) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)

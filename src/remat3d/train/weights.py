@@ -1,0 +1,190 @@
+"""Pretrained weights: read a checkpoint in any common container, fit it to the model, and
+say exactly what was loaded.
+
+Checkpoints in the wild wrap their state dict (``{"state_dict": ...}``, ``{"model": ...}``,
+nnU-Net's ``network_weights``), prefix its keys (``module.`` from DDP, ``model.`` from
+Lightning, ``_orig_mod.`` from torch.compile, ``_checkpoint_wrapped_module.`` from
+activation-checkpoint wrappers) and carry a head for another task. :func:`load_pretrained`
+unwraps and strips all of that, loads every tensor whose name and shape match, and returns a
+:class:`LoadReport` of loaded, missing, unexpected and shape-mismatched keys (a new
+segmentation head is normal and is reported, not refused).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat3d.errors import WeightsError
+
+__all__ = ["LoadReport", "apply_freeze", "load_pretrained", "read_state_dict"]
+
+logger = logging.getLogger(__name__)
+
+_CONTAINER_KEYS = ("state_dict", "model_state_dict", "model", "network_weights", "net",
+                   "module", "weights")
+_PREFIXES = ("module.", "model.", "_orig_mod.", "net.", "network.")
+_INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_pretrained` did; ``str()`` is a short human summary."""
+
+    path: str
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)      # in the model, not in the file
+    unexpected: list[str] = field(default_factory=list)   # in the file, not in the model
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=dict)                             # name -> (file shape, model shape)
+    stripped: list[str] = field(default_factory=list)     # prefixes removed
+
+    def __str__(self) -> str:
+        lines = [f"pretrained {self.path}: loaded {len(self.loaded)} tensors"
+                 + (f" (stripped {', '.join(repr(p) for p in self.stripped)})"
+                    if self.stripped else "")]
+        for name, (old, new) in list(self.mismatched.items())[:8]:
+            lines.append(f"  shape mismatch, kept the model's: {name} file {list(old)} "
+                         f"model {list(new)}")
+        if self.missing:
+            lines.append(f"  missing from the file (kept as initialised): {len(self.missing)}"
+                         f": {', '.join(self.missing[:6])}{' …' if len(self.missing) > 6 else ''}")
+        if self.unexpected:
+            lines.append(f"  not in the model (ignored): {len(self.unexpected)}: "
+                         f"{', '.join(self.unexpected[:6])}"
+                         f"{' …' if len(self.unexpected) > 6 else ''}")
+        return "\n".join(lines)
+
+
+def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.pt``/``.pth``/``.ckpt``/``.safetensors`` file, unwrapped."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise WeightsError(f"Pretrained weights {str(path)!r} do not exist.")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return dict(load_file(str(path), device="cpu"))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise WeightsError(f"Cannot read safetensors file {str(path)!r}: {exc}. The file "
+                               "may be truncated; download or save it again.") from None
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
+        message = str(exc).splitlines()[0][:200]
+        hint = ("It holds pickled Python objects beyond tensors; re-save just the weights "
+                "with torch.save(model.state_dict(), path)."
+                if "weights_only" in str(exc) else
+                "The file may be truncated or not a PyTorch checkpoint.")
+        raise WeightsError(f"Cannot read {str(path)!r}: {type(exc).__name__}: {message}. "
+                           f"{hint}") from None
+    return _unwrap(content, path)
+
+
+def _unwrap(content: Any, path: Path) -> dict[str, torch.Tensor]:
+    for _ in range(4):
+        if isinstance(content, nn.Module):
+            content = content.state_dict()
+        if isinstance(content, Mapping) and content and all(
+                isinstance(v, torch.Tensor) for v in content.values()):
+            return dict(content)
+        if isinstance(content, Mapping):
+            inner = next((content[k] for k in _CONTAINER_KEYS
+                          if isinstance(content.get(k), (Mapping, nn.Module))), None)
+            if inner is None:
+                tensors = {k: v for k, v in content.items() if isinstance(v, torch.Tensor)}
+                if tensors:
+                    return tensors
+                break
+            content = inner
+        else:
+            break
+    raise WeightsError(
+        f"{str(path)!r} holds no state dict (found a {type(content).__name__}"
+        + (f" with keys {', '.join(map(str, list(content)[:8]))}"
+           if isinstance(content, Mapping) else "")
+        + "). Save the weights with torch.save(model.state_dict(), path)."
+    )
+
+
+def _fit_names(tensors: dict[str, torch.Tensor], wanted: set[str]) -> tuple[
+        dict[str, torch.Tensor], list[str]]:
+    """Strip wrapper infixes, then prefixes, while that makes more names match the model."""
+    stripped: list[str] = []
+    for infix in _INFIXES:
+        if any(infix in k for k in tensors):
+            tensors = {k.replace(infix, ""): v for k, v in tensors.items()}
+            stripped.append(infix)
+    while True:
+        score = len(wanted & set(tensors))
+        best = None
+        for prefix in _PREFIXES:
+            if all(k.startswith(prefix) for k in tensors):
+                renamed = {k[len(prefix):]: v for k, v in tensors.items()}
+                if len(wanted & set(renamed)) > score:
+                    best = (prefix, renamed)
+        if best is None:
+            return tensors, stripped
+        stripped.append(best[0])
+        tensors = best[1]
+
+
+def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> LoadReport:
+    """Load what fits of ``path`` into ``model`` (in place) and report the rest."""
+    own = model.state_dict()
+    tensors, stripped = _fit_names(read_state_dict(path), set(own))
+    report = LoadReport(str(path), stripped=stripped)
+    fitting = {}
+    for name, tensor in tensors.items():
+        if name not in own:
+            report.unexpected.append(name)
+        elif tuple(tensor.shape) != tuple(own[name].shape):
+            report.mismatched[name] = (tuple(tensor.shape), tuple(own[name].shape))
+        else:
+            fitting[name] = tensor
+    report.loaded = sorted(fitting)
+    report.missing = sorted(set(own) - set(tensors))
+    if not fitting:
+        raise WeightsError(
+            f"None of the {len(tensors)} tensors in {str(path)!r} fits this "
+            f"{type(model).__name__} (e.g. file key {next(iter(tensors), '?')!r}, model key "
+            f"{next(iter(own), '?')!r}). Are the weights for another architecture or other "
+            "model_kwargs?"
+        )
+    model.load_state_dict(fitting, strict=False)
+    logger.info("%s", report)
+    return report
+
+
+def apply_freeze(model: nn.Module, freeze: list[str], unfreeze: list[str]) -> list[str]:
+    """Set ``requires_grad=False`` on parameters matching a ``freeze`` pattern (fnmatch),
+    then back to True for ``unfreeze`` matches; return the frozen names. A pattern that
+    matches nothing is an error (a typo would otherwise silently train everything)."""
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in [*freeze, *unfreeze]:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            close = [n for n in names if pattern.strip("*.") in n][:3]
+            raise WeightsError(
+                f"Freeze pattern {pattern!r} matches no parameter of {type(model).__name__}"
+                + (f" (similar: {', '.join(close)})" if close else
+                   f" (names look like {', '.join(names[:3])})")
+                + ". Patterns are fnmatch-style, e.g. 'encoder.*'."
+            )
+    frozen = []
+    for name, p in model.named_parameters():
+        off = any(fnmatch.fnmatchcase(name, pat) for pat in freeze)
+        on = any(fnmatch.fnmatchcase(name, pat) for pat in unfreeze)
+        p.requires_grad_(not off or on)
+        if off and not on:
+            frozen.append(name)
+    return frozen
