@@ -234,6 +234,10 @@ def _print_profile(prof: Any, model: str, top: int) -> None:
     console.print(levels)
 
 
+# `train` and `demo` live in their own file; importing it registers them on `app`.
+from remat3d import cli_train as _cli_train  # noqa: F401
+
+
 def main() -> None:
     app()
 
