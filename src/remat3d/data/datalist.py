@@ -53,14 +53,18 @@ class Datalist:
 
 
 def case_name(path: Path) -> str:
-    """The file name without its volume suffix (and nnU-Net's ``_0000`` channel suffix)."""
+    """The file (or DICOM folder) name without its volume suffix."""
     name = path.name
     for suffix in VOLUME_SUFFIXES:
         if name.lower().endswith(suffix):
-            name = name[: -len(suffix)]
-            break
+            return name[: -len(suffix)]
+    return name
+
+
+def _without_channel(name: str) -> str | None:
+    """``case_0001`` -> ``case`` (nnU-Net's channel suffix); ``None`` if there is none."""
     stem, _, channel = name.rpartition("_")
-    return stem if stem and len(channel) == 4 and channel.isdigit() else name
+    return stem if stem and len(channel) == 4 and channel.isdigit() else None
 
 
 def read_datalist(source: str | os.PathLike[str]) -> Datalist:
@@ -167,11 +171,15 @@ def _read_folders(root: Path) -> Datalist:
     if not (root / labels_dir).is_dir():
         raise DataError(f"Folder {str(root / images_dir)!r} has no sibling {labels_dir}/ with "
                         "the label maps; training needs one label map per image.")
+    labels = {case_name(p): p for p in sorted((root / labels_dir).iterdir()) if _is_volume(p)}
     images: dict[str, list[Path]] = {}
     for path in sorted((root / images_dir).iterdir()):
         if _is_volume(path):
-            images.setdefault(case_name(path), []).append(path)
-    labels = {case_name(p): p for p in sorted((root / labels_dir).iterdir()) if _is_volume(p)}
+            name = case_name(path)
+            base = _without_channel(name)
+            if name not in labels and base is not None:
+                name = base  # one channel of case `base`, labelled by `base`
+            images.setdefault(name, []).append(path)
     unlabelled = sorted(set(images) - set(labels))
     if unlabelled:
         raise DataError(

@@ -30,6 +30,7 @@ from remat3d.errors import InputShapeError
 __all__ = ["Geometry", "crop_back", "pad_to_divisor", "padded_shape", "probe_geometry"]
 
 _CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
+_PROBE_EDGE = 48  # probe edges are at least this: past the depth limit of common networks
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,9 @@ def probe_geometry(model: nn.Module, in_channels: int | None = None,
                    divisible_by: int | None = None) -> Geometry:
     """Channels, divisor and smallest edge of a segmentation network, found on meta.
 
-    The divisor is the smallest candidate ``k`` for which inputs of edge ``3k`` and ``5k``
-    both give an output of the input's spatial shape; ``divisible_by`` skips the search.
+    The divisor is the smallest candidate ``k`` for which two odd multiples of ``k`` (of at
+    least 48 voxels) both give an output of the input's spatial shape; ``divisible_by``
+    skips the search. The smallest edge is the smallest multiple of ``k`` that works.
     """
     from remat3d.instrument.step import meta_copy
 
@@ -98,10 +100,13 @@ def probe_geometry(model: nn.Module, in_channels: int | None = None,
 
     candidates = (divisible_by,) if divisible_by else _CANDIDATES
     for k in candidates:
-        outs = [out_channels_at(k * m) for m in (3, 5)]
+        # two odd multiples of k, large enough that depth (not divisibility) cannot fail them
+        odd = max(3, math.ceil(_PROBE_EDGE / k)) | 1
+        outs = [out_channels_at(k * m) for m in (odd, odd + 2)]
         if all(o is not None for o in outs):
             assert outs[0] is not None
-            return Geometry(channels, outs[0], k, k, reason="found by probing the model")
+            smallest = next(k * m for m in range(1, odd + 1) if out_channels_at(k * m))
+            return Geometry(channels, outs[0], k, smallest, reason="found by probing the model")
     raise InputShapeError(
         f"{type(model).__name__} gave no output of its input's spatial shape for any edge "
         f"that is an odd multiple of {', '.join(map(str, candidates))} (probed on meta with "
