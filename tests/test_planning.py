@@ -78,9 +78,12 @@ def test_recursive_nests_regions_and_stays_exact():
     torch.manual_seed(0)
     model = zoo.build_model("nnunet", {"filters": [4, 8, 16, 16, 16, 16]})
     x = torch.randn(1, 1, 64, 64, 64)
-    p = remat3d.plan(model, tuple(x.shape), budget="1.0x", strategy="recursive")
+    # below what the chain model fits: revolve's binomial schedule on the 12 stages,
+    # expressed with the U-Net's levels (containers) and blocks
+    p = remat3d.plan(model, tuple(x.shape), budget="0.5x", strategy="recursive")
     names = [r.module for r in p.regions]
-    assert "skip_layers" in names and "skip_layers.next_layer" in names  # nested levels
+    levels = [n for n in names if n.startswith("skip_layers")]
+    assert levels and any(n.startswith("downsamples") for n in names)  # nested regions
     from tests.runtime.exactness import assert_exact
 
     report = assert_exact(model, x, p)

@@ -76,8 +76,11 @@ def resolve_budget(budget: str | float, unplanned_peak: int,
 
 
 def _regions(model: StageModel, decisions: list[str], policies: dict[int, str],
-             containers: list[tuple[str, int]] | None = None) -> list[Region]:
+             containers: list[tuple[str, int]] | None = None,
+             segments: list[tuple[str, int, list[str]]] | None = None) -> list[Region]:
     regions = [Region(name, calls=[call]) for name, call in containers or []]
+    regions += [Region(name, calls=[call], segment=list(children))
+                for name, call, children in segments or []]
     for s, (stage, decision) in enumerate(zip(model.stages, decisions)):
         if decision == KEEP:
             continue
@@ -147,14 +150,15 @@ def plan(
 
     def build(result: Decisions) -> Plan:
         candidate = Plan(
-            regions=_regions(stages, result.decisions, result.policies, result.containers),
+            regions=_regions(stages, result.decisions, result.policies, result.containers,
+                             result.segments),
             model=type(model).__name__, model_fingerprint=fingerprint,
             input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
             strategy=strategy, predicted_peak_bytes=stages.peak(result.decisions),
         )
         if verify:
-            signature = tuple((r.module, tuple(r.calls or ()), r.decision, str(r.policy))
-                              for r in candidate.regions)
+            signature = tuple((r.module, tuple(r.calls or ()), tuple(r.segment or ()),
+                               r.decision, str(r.policy)) for r in candidate.regions)
             if signature not in verified:  # searches revisit plans: measure each once
                 try:
                     verified[signature] = _verify(model, shapes, candidate, amp, loss_fn)
@@ -232,6 +236,19 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
             low = mid
         else:
             high = mid
+    # the chain dynamic program's region trees (nested regions, which the MILP does not
+    # choose): its model is approximate, so its target moves by the verified error
+    if verify:
+        target = budget
+        for _ in range(3):
+            tree = build(get_strategy("recursive")(stages, target, options))
+            peak = tree.verified_peak_bytes or 0
+            if peak <= budget and (best is None or (tree.recompute_flops or 0)
+                                   < (best.recompute_flops or 0)):
+                best = tree
+            if abs(budget - peak) <= max(1, budget // 1000):
+                break
+            target += budget - peak
     # the fixed strategies and the most frugal plans compete too: optimal never costs more
     # than any of them at a budget they keep
     for other in _candidates(stages, options, make, build):
@@ -264,14 +281,18 @@ def _prune(best: Plan, budget: int, stages: StageModel,
     The stage model is conservative, so the solver's plan may recompute more than needed.
     Each region is first dropped, else downgraded from a full recompute to a selective one
     (keeping its convolution outputs); a step is taken only if the verified peak still
-    fits and the recomputed FLOPs do not grow. Regions on containers (nested plans) stay.
+    fits and the recomputed FLOPs do not grow. Regions on containers and segments (nested
+    plans) stay.
     """
     by_name = {(st.name, st.call_index): st for st in stages.stages}
     decisions: dict[tuple[str, int], str] = {}
     containers: list[tuple[str, int]] = []
+    segments: list[tuple[str, int, list[str]]] = []
     for r in best.regions:
         key = (r.module, (r.calls or [0])[0])
-        if key not in by_name:
+        if r.segment:
+            segments.append((r.module, key[1], list(r.segment)))
+        elif key not in by_name:
             containers.append(key)
         else:
             decisions[key] = SELECTIVE if r.policy == "save-compute-heavy" else r.decision
@@ -280,7 +301,8 @@ def _prune(best: Plan, budget: int, stages: StageModel,
 
     def attempt(trial: dict[tuple[str, int], str]) -> Plan | None:
         candidate = build(Decisions([trial.get((st.name, st.call_index), KEEP)
-                                     for st in stages.stages], containers=containers))
+                                     for st in stages.stages], containers=containers,
+                                    segments=segments))
         if (candidate.verified_peak_bytes or 0) <= budget and \
                 (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
             return candidate

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from remat3d.errors import Remat3dError
 from remat3d.planner.optimal import Costs, solve
+from remat3d.planner.recursive import recursive_tree
 from remat3d.planner.segments import equal_cost, equal_count, segment_regions, sqrt_count
 from remat3d.planner.stages import KEEP, RECOMPUTE, StageModel
 
@@ -43,6 +44,8 @@ class Decisions:
     policies: dict[int, str] = field(default_factory=dict)
     # extra recompute regions on containers (name, call index): they nest around stages
     containers: list[tuple[str, int]] = field(default_factory=list)
+    # recompute regions on runs of an nn.Sequential's children (name, call, child names)
+    segments: list[tuple[str, int, list[str]]] = field(default_factory=list)
 
 
 StrategyFn = Callable[[StageModel, "int | None", PlannerOptions], Decisions]
@@ -115,14 +118,16 @@ def _balanced(model: StageModel, budget: int | None, options: PlannerOptions) ->
     return _segmented(model, options, equal_cost(costs, sqrt_count(len(costs))))
 
 
-@register("recursive", "nested regions down the module tree: every container of two or "
-          "more blocks, and every block (logarithmic memory for U-Nets' nested levels)")
+@register("recursive", "the chain dynamic program over the stages as nested regions: "
+          "revolve's binomial schedule (log n checkpoints) without a budget, the cheapest "
+          "expressible region tree within it with one")
 def _recursive(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
-    chosen = _blocks(model, budget, options)
     ok = _allowed(model, options)
-    chosen.containers = [(name, call) for name, call, covered in model.containers
-                         if all(ok[i] for i in covered)]
-    return chosen
+    tree = None if budget is None else recursive_tree(model, budget, ok, options.costs)
+    if tree is None:  # no budget, or none fits it: the binomial (most frugal) schedule
+        tree = recursive_tree(model, None, ok, options.costs)
+    assert tree is not None  # every stage alone is a region: n + 1 checkpoints always fit
+    return Decisions(tree.decisions, containers=tree.containers, segments=tree.segments)
 
 
 @register("optimal", "least recompute (and transfer) cost whose peak fits the budget")

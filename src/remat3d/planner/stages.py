@@ -86,6 +86,10 @@ class StageModel:
     # invocations that hold two or more stages: (name, call index, stage indices), outermost
     # first; regions on them nest (the `recursive` strategy)
     containers: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    # nn.Sequential invocations outside stages: (name, call index, [(child name, stage
+    # indices inside that child)]); a run of children is a segment region
+    sequences: list[tuple[str, int, list[tuple[str, list[int]]]]] = field(
+        default_factory=list)
 
     def peak(self, decisions: list[str]) -> int:
         """Predicted peak bytes of the step for one decision per stage."""
@@ -197,4 +201,14 @@ def build_stages(graph: CostGraph) -> StageModel:
         covered = [position[h] for h in heads if h in _subtree(graph, n)]
         if len(covered) >= 2:
             model.containers.append((n.name, n.call_index, covered))
+    for n in graph.nodes:
+        if n.id in inside or n.module_type != "Sequential" or len(n.children) < 2:
+            continue
+        children = []
+        for c in n.children:
+            child = graph.nodes[c]
+            members = _subtree(graph, child)
+            local = child.name[len(n.name) + 1:] if n.name else child.name
+            children.append((local, [position[h] for h in heads if h in members]))
+        model.sequences.append((n.name, n.call_index, children))
     return model
