@@ -234,6 +234,30 @@ def _print_profile(prof: Any, model: str, top: int) -> None:
     console.print(levels)
 
 
+@app.command("bench")
+@_user_errors
+def bench_command(
+    suite: str = typer.Option("quick", "--suite",
+                              help="quick (under 10 min on 2 cores), full (under 60 min), "
+                                   "or tiny (seconds)."),
+    models: str = typer.Option(None, "--models",
+                               help="Comma-separated presets replacing the suite's models."),
+    sizes: str = typer.Option(None, "--sizes",
+                              help="Comma-separated spatial edges of the peak-per-size "
+                                   "cases, e.g. 128,256,512."),
+    budgets: str = typer.Option(None, "--budgets",
+                                help="Comma-separated sweep budgets: 0.8x, 3GiB, ..."),
+    out: str = typer.Option(..., "--out", "-o",
+                            help="Directory for results.json, report.md and the plots."),
+) -> None:
+    """Benchmark remat3d against no checkpointing, per-block checkpointing,
+    checkpoint_sequential and torch.compile's memory budget, on the same steps."""
+    from remat3d.bench.console import run_with_progress
+
+    run_with_progress(console, suite, models, sizes, budgets, out,
+                      "remat3d " + " ".join(sys.argv[1:]))
+
+
 # `train` and `demo` live in their own file; importing it registers them on `app`.
 from remat3d import cli_train as _cli_train  # noqa: F401
 

@@ -1,0 +1,165 @@
+"""The bench's markdown report (``report.md``), made from the records alone."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from remat3d.bench.plots import headline_methods
+from remat3d.bench.records import Record, machine_info, now, versions_info
+from remat3d.graph import atomic_write_text
+from remat3d.units import format_bytes
+
+__all__ = ["equal_peak_rows", "render_report", "write_report"]
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:+.1f}%"
+
+
+def _bytes(n: int | None) -> str:
+    return "—" if n is None else format_bytes(n)
+
+
+def _cases(records: list[Record], tier: str) -> dict[tuple, list[Record]]:
+    out: dict[tuple, list[Record]] = defaultdict(list)
+    for r in records:
+        if r.tier == tier:
+            out[(r.model, tuple(r.input_shape), r.amp)].append(r)
+    return out
+
+
+def _title(key: tuple) -> str:
+    model, shape, amp = key
+    return f"{model} {'x'.join(map(str, shape[2:]))} (batch {shape[0]}, amp={amp})"
+
+
+def equal_peak_rows(recs: list[Record]) -> list[dict]:
+    """For each baseline of a sweep: its peak and overhead, and remat3d optimal's at a
+    budget equal to that peak (``ratio``: remat3d's recompute over the baseline's)."""
+    by_setting = {r.setting: r for r in recs if r.method == "remat3d:optimal"}
+    rows = []
+    for r in recs:
+        if r.method in ("none", "remat3d:optimal", "remat3d:optimal+offload") or \
+                r.status != "ok":
+            continue
+        ours = by_setting.get(f"peak of {r.method} {r.setting}".strip())
+        if ours is None:
+            continue
+        ratio = None
+        if ours.status == "ok" and r.recompute_flops and ours.recompute_flops is not None:
+            ratio = ours.recompute_flops / r.recompute_flops
+        rows.append({"baseline": r, "remat3d": ours, "ratio": ratio})
+    return rows
+
+
+def render_report(records: list[Record], *, suite: str, command: str, seconds: float,
+                  plots: list[Path]) -> str:
+    machine, versions = machine_info(), versions_info()
+    lines = [
+        f"# remat3d bench: suite `{suite}`",
+        "",
+        f"Generated {now()} by `{command or 'remat3d bench'}` in {seconds / 60:.1f} min on "
+        f"{machine['system']} {machine['arch']}, {machine['cpu_count']} CPU cores, "
+        f"GPU: {machine['cuda'] or 'none'}; "
+        + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        "",
+        ("Every peak is remat3d's tracker (live tensor bytes of one training step, batch 1, "
+        "loss = mean of the output) on the meta device unless the tier says cpu. "
+        "*Recompute* is the step's FLOPs minus the unplanned step's, over the unplanned "
+        "step's; FLOPs count convolutions and matmuls (PyTorch's flop counter), so "
+        "recomputed norms and activations cost time (see the CPU step times) but no FLOPs. "
+        "torch.compile runs with the `aot_eager` backend: its partitioned graphs run "
+        "unfused, and its peak is that execution's. Full records: `results.json`."),
+        "",
+    ]
+    meta = _cases(records, "meta")
+    lines += ["## Headline: peak per method", ""]
+    for key, recs in meta.items():
+        rows = headline_methods(recs)
+        if not rows:
+            continue
+        base = next((r for r in recs if r.method == "none" and r.status == "ok"), None)
+        lines += [f"### {_title(key)}", "",
+                  "| method | peak | vs unplanned | recompute | plan / compile s |",
+                  "|---|---:|---:|---:|---:|"]
+        for label, r in rows:
+            rel = (r.peak_bytes or 0) / (base.peak_bytes or 1) if base else None
+            plan_s = "—" if r.plan_seconds is None else f"{r.plan_seconds:.1f}"
+            lines.append(f"| {label} | {_bytes(r.peak_bytes)} | "
+                         f"{'—' if rel is None else f'{rel:.2f}x'} | "
+                         f"{_pct(r.recompute_ratio)} | {plan_s} |")
+        lines.append("")
+
+    sweeps = {k: v for k, v in meta.items() if equal_peak_rows(v)}
+    if sweeps:
+        lines += ["## Equal peak: remat3d optimal against each baseline", "",
+                  ("remat3d is planned with the budget set to the peak the baseline "
+                  "reaches; *ratio* is remat3d's recomputed FLOPs over the baseline's "
+                  "(below 1: remat3d recomputes less for the same memory)."), ""]
+        for key, recs in sweeps.items():
+            lines += [f"### {_title(key)}", "",
+                      ("| baseline | its peak | its recompute | remat3d peak | "
+                      "remat3d recompute | ratio |"), "|---|---:|---:|---:|---:|---:|"]
+            for row in equal_peak_rows(recs):
+                b, o = row["baseline"], row["remat3d"]
+                ours = (f"{_bytes(o.peak_bytes)} | {_pct(o.recompute_ratio)}"
+                        if o.status == "ok" else f"{o.status} | —")
+                ratio = "—" if row["ratio"] is None else f"{row['ratio']:.2f}"
+                lines.append(f"| {b.method} {b.setting} | {_bytes(b.peak_bytes)} | "
+                             f"{_pct(b.recompute_ratio)} | {ours} | {ratio} |")
+            curve = sorted((r for r in recs if r.method.startswith("remat3d:optimal")
+                            and r.setting.startswith(("budget=", "smallest"))),
+                           key=lambda r: (r.method, r.budget_bytes or 0))
+            if curve:
+                lines += ["", "Budget sweep:", "",
+                          "| method | budget | setting | peak | recompute | plan s |",
+                          "|---|---:|---|---:|---:|---:|"]
+                for r in curve:
+                    plan_s = "—" if r.plan_seconds is None else f"{r.plan_seconds:.1f}"
+                    lines.append(f"| {r.method} | {_bytes(r.budget_bytes)} | {r.setting} | "
+                                 f"{_bytes(r.peak_bytes) if r.status == 'ok' else r.status}"
+                                 f" | {_pct(r.recompute_ratio)} | {plan_s} |")
+            lines.append("")
+
+    cpu = _cases(records, "cpu")
+    if cpu:
+        lines += ["## Real CPU steps: time and exactness", "",
+                  ("fp32; step time is the median over interleaved rounds of the method's "
+                  "time over the unplanned step's; gradients and buffers are compared "
+                  "bitwise with the unplanned step's."), ""]
+        for key, recs in cpu.items():
+            lines += [f"### {_title(key)}", "",
+                      ("| method | setting | peak | recompute | step time | grads equal | "
+                      "buffers equal |"), "|---|---|---:|---:|---:|---|---|"]
+            for r in recs:
+                if r.status != "ok":
+                    lines.append(f"| {r.method} | {r.setting} | {r.status} | | | | |")
+                    continue
+                ratio = "—" if r.step_time_ratio is None else f"{r.step_time_ratio:.2f}x"
+                lines.append(f"| {r.method} | {r.setting} | {_bytes(r.peak_bytes)} | "
+                             f"{_pct(r.recompute_ratio)} | {ratio} | {r.grads_equal} | "
+                             f"{r.buffers_equal} |")
+            lines.append("")
+
+    notes = [r for r in records if r.status != "ok" or r.note.startswith("aot_eager; auto")]
+    if notes:
+        lines += ["## Notes", ""]
+        seen = set()
+        for r in notes:
+            text = f"{r.model} {r.method} {r.setting}: {r.status}: {r.note}"
+            if text not in seen:
+                seen.add(text)
+                lines.append(f"- {text}")
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def write_report(records: list[Record], out: Path, *, suite: str, command: str,
+                 seconds: float, plots: list[Path]) -> Path:
+    path = out / "report.md"
+    atomic_write_text(path, render_report(records, suite=suite, command=command,
+                                          seconds=seconds, plots=plots))
+    return path

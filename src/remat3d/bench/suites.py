@@ -1,0 +1,186 @@
+"""Bench suites: which models, sizes, precisions, methods and budgets one run measures.
+
+A suite has three kinds of cases:
+
+- *sweeps* (meta device): every method, remat3d's ``optimal`` at each budget of
+  ``budgets``, at its smallest feasible budget, and at the peak each baseline reaches
+  (the equal-peak comparison);
+- *points* (meta device, up to 512³): the headline methods only — unplanned, blocks,
+  torch.compile's budgets, remat3d at its smallest feasible budget with and without
+  offload;
+- *cpu* (real CPU steps at small sizes): each method's step time against the unplanned
+  step (interleaved repeats, median) and its gradients against the unplanned ones
+  (bitwise, fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from remat3d.errors import Remat3dError
+
+__all__ = ["SUITES", "Case", "Suite", "budget_bytes", "get_suite", "suite_from_options"]
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    size: int  # spatial edge, made legal for the model (zoo.legal_shape)
+    amp: str  # "none" | "bf16" | "fp16"
+    kind: str  # "sweep" | "point" | "cpu"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    sweep_models: tuple[str, ...]
+    sweep_sizes: tuple[int, ...]
+    sweep_amps: tuple[str, ...]
+    point_models: tuple[str, ...]
+    point_sizes: tuple[int, ...]
+    point_amps: tuple[str, ...]
+    cpu_models: tuple[str, ...]
+    cpu_sizes: tuple[int, ...]
+    budgets: tuple[str, ...]  # remat3d optimal in sweeps, besides smallest and equal peak
+    compile_budgets: tuple[float, ...]  # activation_memory_budget values
+    cpu_compile_budgets: tuple[float, ...]
+    segments: tuple[int, ...]  # checkpoint_sequential
+    strategies: tuple[str, ...]  # fixed remat3d strategies besides optimal
+    repeats: int  # cpu tier: timed rounds (after one warm-up round)
+    offload: tuple[bool, ...] = (False, True)  # remat3d optimal at its smallest budget
+    model_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model
+
+    def cases(self) -> list[Case]:
+        out = [Case(m, s, a, "sweep") for m in self.sweep_models for s in self.sweep_sizes
+               for a in self.sweep_amps]
+        out += [Case(m, s, a, "point") for m in self.point_models for s in self.point_sizes
+                for a in self.point_amps]
+        out += [Case(m, s, "none", "cpu") for m in self.cpu_models for s in self.cpu_sizes]
+        return out
+
+    def override(self, *, models: list[str] | None = None, sizes: list[int] | None = None,
+                 budgets: list[str] | None = None) -> Suite:
+        """The suite with its models (every kind), point sizes, or sweep budgets replaced."""
+        changes: dict[str, object] = {}
+        if models:
+            changes.update(sweep_models=tuple(models), point_models=tuple(models),
+                           cpu_models=tuple(models))
+        if sizes:
+            if any(s <= 0 for s in sizes):
+                raise Remat3dError(f"Sizes must be positive spatial edges, got {sizes}.")
+            changes["point_sizes"] = tuple(sizes)
+        if budgets:
+            changes["budgets"] = tuple(budgets)
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+QUICK = Suite(
+    name="quick",
+    sweep_models=("nnunet",), sweep_sizes=(128,), sweep_amps=("none",),
+    point_models=("nnunet",), point_sizes=(512,), point_amps=("bf16",),
+    cpu_models=("segresnet",), cpu_sizes=(32,),
+    budgets=("0.9x", "0.8x"),
+    compile_budgets=(1.0, 0.5, 0.1),
+    cpu_compile_budgets=(0.5,),
+    segments=(2,),
+    strategies=("blocks",),
+    repeats=3,
+)
+
+FULL = Suite(
+    name="full",
+    sweep_models=("nnunet", "unet", "basicunet", "segresnet"), sweep_sizes=(128,),
+    sweep_amps=("none",),
+    point_models=("nnunet",), point_sizes=(128, 256, 512), point_amps=("bf16",),
+    cpu_models=("nnunet", "segresnet", "basicunet"), cpu_sizes=(32,),
+    budgets=("0.95x", "0.9x", "0.85x", "0.8x", "0.75x", "0.7x"),
+    compile_budgets=(1.0, 0.8, 0.6, 0.4, 0.2, 0.0),
+    cpu_compile_budgets=(0.5, 0.0),
+    segments=(2, 4),
+    strategies=("blocks", "sqrt", "selective"),
+    repeats=5,
+)
+
+# for tests and a first look: seconds on two cores (a two-level SegResNet, 4 filters)
+TINY = Suite(
+    name="tiny",
+    sweep_models=("segresnet",), sweep_sizes=(16,), sweep_amps=("none",),
+    point_models=("segresnet",), point_sizes=(8, 16), point_amps=("bf16",),
+    cpu_models=("segresnet",), cpu_sizes=(8,),
+    budgets=("0.9x",),
+    compile_budgets=(),
+    cpu_compile_budgets=(),
+    segments=(2,),
+    strategies=("blocks",),
+    repeats=2,
+    offload=(False,),
+    model_kwargs={"segresnet": {"init_filters": 4, "blocks_down": (1, 1), "blocks_up": (1,),
+                                "norm": ("GROUP", {"num_groups": 2})}},
+)
+
+SUITES = {s.name: s for s in (QUICK, FULL, TINY)}
+
+
+def get_suite(name: str) -> Suite:
+    try:
+        return SUITES[name]
+    except KeyError:
+        raise Remat3dError(
+            f"Unknown bench suite {name!r}; use one of {', '.join(SUITES)}."
+        ) from None
+
+
+def budget_bytes(budget: str, unplanned_peak: int) -> int:
+    """A sweep budget in bytes: ``"0.8x"`` of the unplanned peak, or a size (``"3GiB"``).
+
+    >>> budget_bytes("0.5x", 1000), budget_bytes("1KiB", 1000)
+    (500, 1024)
+    """
+    from remat3d.units import parse_bytes
+
+    text = budget.strip().lower()
+    if text.endswith("x"):
+        try:
+            fraction = float(text[:-1])
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction:
+            raise Remat3dError(f"Cannot read budget {budget!r}: a fraction of the unplanned "
+                               "peak is written like '0.8x' (positive).")
+        return int(unplanned_peak * fraction)
+    return parse_bytes(budget)
+
+
+def _items(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def suite_from_options(name: str, models: str | None = None, sizes: str | None = None,
+                       budgets: str | None = None) -> Suite:
+    """The named suite with comma-separated overrides, checked before any work.
+
+    >>> suite_from_options("quick", sizes="128,256").point_sizes
+    (128, 256)
+    >>> suite_from_options("quick", sizes="big")
+    Traceback (most recent call last):
+    ...
+    remat3d.errors.Remat3dError: Cannot read --sizes 'big': give spatial edges like 128,256,512.
+    """
+    from remat3d import zoo
+
+    suite = get_suite(name)
+    model_list = _items(models)
+    for model in model_list:
+        zoo.get_preset(model)  # unknown names fail here, with a suggestion
+    try:
+        size_list = [int(s) for s in _items(sizes)]
+    except ValueError:
+        raise Remat3dError(f"Cannot read --sizes {sizes!r}: give spatial edges like "
+                           "128,256,512.") from None
+    budget_list = _items(budgets)
+    for budget in budget_list:
+        budget_bytes(budget, 1)
+    return suite.override(models=model_list or None, sizes=size_list or None,
+                          budgets=budget_list or None)

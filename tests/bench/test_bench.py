@@ -1,0 +1,134 @@
+"""remat3d bench: a tiny suite end to end (CLI included), the schema, the baselines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import remat3d
+from remat3d.bench import BENCH_SCHEMA, load_results, validate_results
+from remat3d.bench.baselines import (
+    install_block_checkpoints,
+    install_checkpoint_sequential,
+)
+from remat3d.bench.compiled import compiled_step, measure_cast_step
+from remat3d.cli import app
+from remat3d.errors import Remat3dError
+
+REQUIRED = ("model", "input_shape", "amp", "method", "budget_bytes", "peak_bytes",
+            "saved_bytes", "flops", "recompute_flops", "step_time_ratio", "plan_seconds",
+            "grads_equal", "machine", "date", "versions")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = CliRunner().invoke(app, ["bench", "--suite", "tiny", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_tiny_suite_writes_valid_results_report_and_plots(tiny):
+    out, output = tiny
+    data = json.loads((out / "results.json").read_text())
+    assert data["schema"] == BENCH_SCHEMA and data["suite"] == "tiny"
+    records = load_results(out / "results.json")
+    for raw in data["records"]:
+        assert set(REQUIRED) <= raw.keys()
+    methods = {(r.tier, r.method) for r in records if r.status == "ok"}
+    for method in ("none", "torch-blocks", "checkpoint-sequential", "remat3d:blocks",
+                   "remat3d:optimal"):
+        assert ("meta", method) in methods and ("cpu", method) in methods
+    for r in records:
+        if r.tier == "cpu" and r.status == "ok":
+            # exactness: every method's gradients equal the unplanned step's bitwise
+            assert r.grads_equal is True and r.buffers_equal is True, r
+            assert r.step_time_ratio is not None and r.step_time_ratio > 0
+        if r.method.startswith("remat3d:optimal") and r.status == "ok":
+            assert r.peak_bytes <= r.budget_bytes  # the budget is a promise
+            assert r.plan_seconds is not None
+    report = (out / "report.md").read_text()
+    assert "Headline" in report and "Equal peak" in report and "grads equal" in report
+    assert (out / "overhead-curves.png").stat().st_size > 0
+    assert (out / "peak-by-size.png").stat().st_size > 0
+    assert "records in" in output
+    assert not list(out.glob(".*tmp*"))  # nothing half-written left
+
+
+def test_blocks_baseline_in_torch_equals_remat3d_blocks(tiny):
+    out, _ = tiny
+    records = [r for r in load_results(out / "results.json") if r.status == "ok"]
+    for tier in ("meta", "cpu"):
+        torch_blocks = [r for r in records if r.method == "torch-blocks" and r.tier == tier]
+        ours = [r for r in records if r.method == "remat3d:blocks" and r.tier == tier]
+        for a, b in zip(torch_blocks, ours):
+            assert (a.peak_bytes, a.flops) == (b.peak_bytes, b.flops)
+
+
+def test_schema_rejects_broken_documents(tiny):
+    out, _ = tiny
+    data = json.loads((out / "results.json").read_text())
+    validate_results(data)
+    with pytest.raises(Remat3dError, match="schema"):
+        validate_results({**data, "schema": "remat3d.bench/0"})
+    broken = json.loads(json.dumps(data))
+    del broken["records"][0]["peak_bytes"]
+    with pytest.raises(Remat3dError, match="peak_bytes"):
+        validate_results(broken)
+    broken = json.loads(json.dumps(data))
+    broken["records"][0]["status"] = "fine"
+    with pytest.raises(Remat3dError, match="status"):
+        validate_results(broken)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suite", "huge"], "Unknown bench suite"),
+    (["--models", "nnunett"], "Did you mean 'nnunet'"),
+    (["--sizes", "12a"], "--sizes"),
+    (["--budgets", "-1x"], "budget"),
+])
+def test_bad_options_are_one_line_exit_2(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["bench", *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "results.json").exists()
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(
+        nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU()),
+        nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 4, 1)),
+        nn.Conv3d(4, 1, 1))
+
+
+def test_compile_budget_is_measured_not_eager():
+    shape = (1, 1, 16, 16, 16)
+    _, keep = compiled_step(_net().to("meta"), shape, "meta", None, 1.0)
+    _, recompute = compiled_step(_net().to("meta"), shape, "meta", None, 0.0)
+    # dynamo falling back to eager would give the same figures for both budgets
+    assert recompute.saved_bytes < keep.saved_bytes
+    assert recompute.flops > keep.flops and keep.graphs == recompute.graphs == 1
+
+
+def test_explicit_casts_match_meta_autocast():
+    shape = (1, 1, 16, 16, 16)
+    eager = measure_cast_step(_net().to("meta"), shape, "meta", "bf16")
+    reference = remat3d.measure(_net().to("meta"), shape, device="meta", amp="bf16")
+    assert (eager.peak_bytes, eager.saved_bytes) == (reference.peak_bytes,
+                                                     reference.saved_bytes)
+
+
+def test_checkpoint_sequential_lowers_saved_bytes_or_is_not_applicable():
+    x = torch.randn(1, 1, 8, 8, 8)
+    plain = remat3d.measure(_net(), x)
+    net = _net()
+    assert install_checkpoint_sequential(net, 2) == 1
+    assert remat3d.measure(net, x).saved_bytes < plain.saved_bytes
+    assert install_checkpoint_sequential(nn.Conv3d(1, 1, 1), 2) == 0
+    blocks = _net()
+    assert install_block_checkpoints(blocks, ["0", "1"]) == 2
+    assert remat3d.measure(blocks, x).saved_bytes < plain.saved_bytes
