@@ -1,0 +1,266 @@
+"""``remat3d.tile``: run a spatially local stage tile by tile, forward and backward.
+
+NOTE [ Tiled backward ]
+  ``_TiledFunction`` keeps only the run's inputs. Its rules:
+  1. Forward, without grad: one statistics pass per normalisation with batch statistics
+     (in execution order; each pass runs every tile up to that normalisation, using the
+     statistics of the earlier ones, and stops), then one pass that writes each tile's
+     output into the output tensor.
+  2. Backward is linear in the output gradient, so it is the sum over output tiles of the
+     backward of that tile's output alone. Each tile recomputes its forward (exactly, with
+     whole-tensor statistics) from halo-extended input slices, with grad, and back-
+     propagates its own output gradient: parameter gradients are summed over tiles, input
+     gradients added into the input-gradient tensor at each tile's input region.
+  3. A normalisation's backward needs two sums over the whole tensor (of the gradient of
+     its normalised output, and of that gradient times the normalised output). By rule 2
+     they are sums over tiles too: one extra backward pass per normalisation, from the
+     last to the first, gathers them before the pass that needs them.
+  4. Buffers change once per step: every tile run restores the buffers of the modules it
+     called, except the last tile of the last forward pass (so counters such as
+     ``num_batches_tracked`` advance once); running statistics are updated once, from the
+     whole-tensor statistics, with the momentum the module asked for.
+  5. Parameters are inputs of the Function, so autograd accumulates their gradients
+     (``torch.autograd.grad`` works, gradient hooks fire once). Backward is a
+     recomputation: ``is_recomputing()`` is True and autocast is as it was in forward.
+  6. ``is_recomputing()`` is False only in the forward pass that writes the output (the
+     trace on fake tensors and the statistics passes are extra runs too). Hooks of
+     modules inside the run fire once per tile in that pass.
+  Cost: with k normalisations, forward runs k + 1 partial passes, backward k + 1
+  recomputations and k partial backwards; halos add the overlap (``docs/tiling.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from remat3d.nn.replay import AmpState
+from remat3d.nn.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
+from remat3d.nn.tiling.halo import Region, needed_regions, owned_region, tile_grid, union
+from remat3d.nn.tiling.trace import TilingError, Trace, trace
+from remat3d.runtime.guards import BufferGuard, ModuleStack
+from remat3d.runtime.state import recomputing
+
+__all__ = ["TileSize", "TiledRun", "tile"]
+
+TileSize = int | Sequence[int]
+
+
+def _tile_size(tile: TileSize) -> tuple[int, int, int]:
+    size = (int(tile),) * 3 if isinstance(tile, int) else tuple(int(t) for t in tile)
+    if len(size) != 3 or any(t < 1 for t in size):
+        raise TilingError(f"A tile size is one positive int or three (D, H, W); got {tile!r}.")
+    return size  # type: ignore[return-value]
+
+
+class TiledRun:
+    """A traced run and its per-tile plans: what every tile computes at every node."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
+                 tile: TileSize) -> None:
+        self.fn = fn
+        with recomputing():
+            self.trace: Trace = trace(fn, inputs)
+        self.tile = _tile_size(tile)
+        tr = self.trace
+        out_size = tr.sizes[tr.output]
+        self.tiles: list[Region] = tile_grid(out_size, self.tile)
+        self.plans: list[dict[int, Region]] = []
+        self.owned: list[dict[int, Region]] = []
+        for t in self.tiles:
+            owned = {j: owned_region(t, out_size, tr.sizes[tr.ops[i].spatial.inputs[0]])
+                     for j, i in enumerate(tr.norms)}
+            targets = {tr.output: t}
+            for j, i in enumerate(tr.norms):  # the owned part of every norm is computed
+                node = tr.ops[i].spatial.output
+                targets[node] = union(targets.get(node), owned[j])
+            self.plans.append(needed_regions(tr.spatial_ops, tr.sizes, targets))
+            self.owned.append(owned)
+        for plan in self.plans:
+            for op in tr.ops:
+                if op.spatial.output not in plan:
+                    raise TilingError(
+                        f"The result of {op.name} in module '{op.module}' is not used by the "
+                        "run's output; a tiled run must be a single computation ending in "
+                        "its returned tensor.")
+        self.stats = [Stats(tr.ops[i].norm) for i in tr.norms]  # type: ignore[arg-type]
+
+    # -- one tile ---------------------------------------------------------------------
+    def run_tile(self, k: int, inputs: Sequence[torch.Tensor], *, stop_at: int | None = None,
+                 capture: int | None = None, grad_inputs: Sequence[bool] | None = None
+                 ) -> tuple[torch.Tensor | None, list[torch.Tensor], TileMode]:
+        plan = self.plans[k]
+        local = []
+        for i, (x, node) in enumerate(zip(inputs, self.trace.inputs)):
+            full = tuple((0, n) for n in x.shape[2:])
+            region = plan.get(node, full)
+            xt = crop(x, full, region)
+            if grad_inputs is not None:
+                xt = xt.detach().requires_grad_(grad_inputs[i])
+            setattr(xt, REGION, region)
+            local.append(xt)
+        mode = TileMode(self.trace, plan, self.stats, self.owned[k], stop_at, capture)
+        try:
+            with mode:
+                y = self.fn(*local)
+        except StopPass:
+            return None, local, mode
+        if not isinstance(y, torch.Tensor) or getattr(y, REGION, None) is None:
+            raise TilingError("A tile of the run returned something else than a tensor "
+                              "computed from its inputs.")
+        return crop(y, region_of(y), self.tiles[k]), local, mode
+
+    # -- forward (NOTE rule 1) ----------------------------------------------------------
+    def forward(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        tr = self.trace
+        for stats in self.stats:
+            stats.__init__(stats.spec)  # type: ignore[misc]
+        with torch.no_grad():
+            for j in range(len(self.stats)):
+                for k in range(len(self.tiles)):
+                    with _restoring_buffers(), recomputing():
+                        self.run_tile(k, inputs, stop_at=j)
+                self.stats[j].finish()
+            out = inputs[0].new_empty(tr.out_shape, dtype=tr.out_dtype)
+            for k, region in enumerate(self.tiles):
+                last = k == len(self.tiles) - 1
+                with contextlib.nullcontext() if last else _restoring_buffers():
+                    y, _, _ = self.run_tile(k, inputs)
+                assert y is not None
+                crop(out, tuple((0, n) for n in out.shape[2:]), region).copy_(y)
+            self._update_running()
+        return out
+
+    def _update_running(self) -> None:
+        for stats in self.stats:
+            if stats.running is None or stats.mean is None:
+                continue
+            running_mean, running_var, momentum = stats.running
+            m = 0.1 if momentum is None else float(momentum)
+            mean = stats.mean.flatten(1)    # (N|1, G)
+            var = stats.unbiased_var().flatten(1)
+            mean, var = mean.mean(0), var.mean(0)  # instance norm: averaged over the batch
+            running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype), alpha=m)
+            running_var.mul_(1 - m).add_(var.to(running_var.dtype), alpha=m)
+            stats.running = None
+
+    # -- backward (NOTE rules 2 and 3) --------------------------------------------------
+    def backward(self, inputs: Sequence[torch.Tensor], dy: torch.Tensor,
+                 needs: Sequence[bool]) -> tuple[list[torch.Tensor | None],
+                                                 list[torch.Tensor | None]]:
+        params = [p for p in self.trace.params if p.requires_grad]
+        full_out = tuple((0, n) for n in dy.shape[2:])
+        for j in reversed(range(len(self.stats))):
+            stats = self.stats[j]
+            sum_g: torch.Tensor | None = None
+            sum_gx: torch.Tensor | None = None
+            for k, region in enumerate(self.tiles):
+                y, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs)
+                xhat = mode.captured
+                if y is None or xhat is None or not xhat.requires_grad:
+                    continue
+                (g,) = torch.autograd.grad(y, xhat, crop(dy, full_out, region),
+                                           allow_unused=True)
+                if g is None:
+                    continue
+                dims = stats.dims()
+                gs = g.sum(dims, keepdim=True).double()
+                gx = (g * xhat.detach()).sum(dims, keepdim=True).double()
+                sum_g = gs if sum_g is None else sum_g + gs
+                sum_gx = gx if sum_gx is None else sum_gx + gx
+            if sum_g is None or sum_gx is None:
+                zero = torch.zeros((), dtype=torch.float32, device=dy.device)
+                stats.sums = (zero, zero)
+            else:
+                stats.sums = (sum_g.float(), sum_gx.float())
+        dx: list[torch.Tensor | None] = [torch.zeros_like(x) if need else None
+                                         for x, need in zip(inputs, needs)]
+        dparams: list[torch.Tensor | None] = [None] * len(params)
+        for k, region in enumerate(self.tiles):
+            y, local, _ = self.run_tile(k, inputs, grad_inputs=needs)
+            assert y is not None
+            wrt = [x for x, need in zip(local, needs) if need] + params
+            if not y.requires_grad or not wrt:
+                continue
+            grads = torch.autograd.grad(y, wrt, crop(dy, full_out, region), allow_unused=True)
+            it = iter(grads)
+            for i, need in enumerate(needs):
+                if need:
+                    g = next(it)
+                    target = dx[i]
+                    if g is not None and target is not None:
+                        full = tuple((0, n) for n in target.shape[2:])
+                        crop(target, full, region_of(local[i])).add_(g)
+            for i, g in enumerate(it):
+                if g is not None:
+                    previous = dparams[i]
+                    dparams[i] = g if previous is None else previous.add_(g)
+        return dx, dparams
+
+
+@contextlib.contextmanager
+def _restoring_buffers() -> Iterator[None]:
+    modules = ModuleStack()
+    with modules, BufferGuard(modules):
+        yield
+
+
+class _TiledFunction(torch.autograd.Function):
+    """See NOTE [ Tiled backward ]."""
+
+    @staticmethod
+    def forward(ctx: Any, run: TiledRun, n_inputs: int,  # type: ignore[override]
+                *tensors: torch.Tensor) -> torch.Tensor:
+        inputs = tensors[:n_inputs]
+        ctx.run = run
+        ctx.n_inputs = n_inputs
+        ctx.amp = AmpState.capture(inputs[0].device)
+        ctx.save_for_backward(*inputs)
+        return run.forward([x.detach() for x in inputs])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors
+        needs = list(ctx.needs_input_grad[2:2 + ctx.n_inputs])
+        run: TiledRun = ctx.run
+        with torch.enable_grad(), recomputing(), ctx.amp.restore(), _restoring_buffers():
+            dx, dparams = run.backward(inputs, dy, needs)
+        return (None, None, *dx, *dparams)
+
+
+def tile(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
+         tile: TileSize = 64) -> torch.Tensor:
+    """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
+
+    ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
+    local: convolutions (any kernel, stride, padding, dilation, groups), transposed
+    convolutions, max/avg pooling, nearest/trilinear upsampling by integer factors,
+    pointwise ops, concatenation over channels, residual additions, and Instance/Group/
+    BatchNorm (whole-volume statistics, gathered over tiles). ``tile`` is the output tile
+    edge (one int, or D, H, W); it need not divide the volume.
+
+    Forward keeps only ``inputs``; backward recomputes tile by tile (NOTE [ Tiled
+    backward ]). Outputs and gradients equal ``fn(*inputs)``'s up to rounding order.
+
+    >>> import torch, remat3d
+    >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
+    ...                             torch.nn.InstanceNorm3d(4), torch.nn.ReLU())
+    >>> x = torch.randn(1, 1, 12, 12, 12)
+    >>> y = remat3d.tile(block, x, tile=5)
+    >>> torch.allclose(y, block(x), atol=1e-5)
+    True
+    """
+    run = TiledRun(fn, inputs, tile)
+    params = [p for p in run.trace.params if p.requires_grad]
+    needs_graph = torch.is_grad_enabled() and (any(x.requires_grad for x in inputs)
+                                               or bool(params))
+    if not needs_graph:
+        with torch.no_grad():
+            return run.forward(list(inputs))
+    out: torch.Tensor = _TiledFunction.apply(run, len(inputs), *inputs, *params)
+    return out

@@ -1,0 +1,374 @@
+"""Record a run of spatially local ops once, on fake tensors, as plain halo-arithmetic data.
+
+The run (a module or a function of 5-D tensors) is executed once under PyTorch's
+``FakeTensorMode`` (no memory, no compute) with a ``TorchFunctionMode`` that sees each
+top-level call (``F.conv3d``, ``F.instance_norm``, ``torch.cat``, ``Tensor.add_`` ...), as
+the user's code makes it. Every call that takes a spatial tensor of the run becomes one
+:class:`TracedOp`: its kind for halo arithmetic, its window parameters, and what the tiled
+executor must do with it. Anything that is not spatially local, or cannot be made exact
+tile by tile, is refused here with a :class:`TilingError` that names the op and module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from remat3d.errors import Remat3dError
+from remat3d.nn.tiling.halo import (
+    CONV,
+    CONV_TRANSPOSE,
+    INTERPOLATE,
+    POINTWISE,
+    SpatialOp,
+)
+from remat3d.runtime.guards import BufferGuard, ModuleStack
+
+__all__ = ["NormSpec", "TilingError", "Trace", "TracedOp", "bind", "func_name", "trace"]
+
+_NODE = "_remat3d_tile_node"
+_INNER = "_remat3d_tile_inner"
+
+
+class TilingError(Remat3dError, ValueError):
+    """A run cannot be executed in tiles exactly (an op is not local, dropout, ...)."""
+
+
+# argument names of the calls the executor rewrites, in positional order
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "conv3d": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    "conv_transpose3d": ("input", "weight", "bias", "stride", "padding", "output_padding",
+                         "groups", "dilation"),
+    "max_pool3d": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
+                   "return_indices"),
+    "avg_pool3d": ("input", "kernel_size", "stride", "padding", "ceil_mode",
+                   "count_include_pad", "divisor_override"),
+    "interpolate": ("input", "size", "scale_factor", "mode", "align_corners",
+                    "recompute_scale_factor", "antialias"),
+    "instance_norm": ("input", "running_mean", "running_var", "weight", "bias",
+                      "use_input_stats", "momentum", "eps"),
+    "group_norm": ("input", "num_groups", "weight", "bias", "eps"),
+    "batch_norm": ("input", "running_mean", "running_var", "weight", "bias", "training",
+                   "momentum", "eps"),
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "conv3d": {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    "conv_transpose3d": {"bias": None, "stride": 1, "padding": 0, "output_padding": 0,
+                         "groups": 1, "dilation": 1},
+    "max_pool3d": {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
+                   "return_indices": False},
+    "avg_pool3d": {"stride": None, "padding": 0, "ceil_mode": False,
+                   "count_include_pad": True, "divisor_override": None},
+    "interpolate": {"size": None, "scale_factor": None, "mode": "nearest",
+                    "align_corners": None, "recompute_scale_factor": None,
+                    "antialias": False},
+    "instance_norm": {"running_mean": None, "running_var": None, "weight": None,
+                      "bias": None, "use_input_stats": True, "momentum": 0.1, "eps": 1e-5},
+    "group_norm": {"weight": None, "bias": None, "eps": 1e-5},
+    "batch_norm": {"weight": None, "bias": None, "training": False, "momentum": 0.1,
+                   "eps": 1e-5},
+}
+_DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                      "feature_alpha_dropout"})
+# ops whose result mixes voxels along a dimension named by an argument
+_DIM_OPS = frozenset({"softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax",
+                      "cummin", "sort", "argsort", "flip", "roll", "narrow", "select",
+                      "index_select", "gather", "scatter", "logcumsumexp", "diff"})
+# ops that may move voxels without changing the shape: allowed only as exact no-ops
+_SHAPE_OPS = frozenset({"permute", "transpose", "movedim", "moveaxis", "swapaxes",
+                        "swapdims", "view", "reshape", "flatten", "unflatten", "expand",
+                        "repeat", "tile", "rot90", "fliplr", "flipud", "t", "pixel_shuffle",
+                        "pixel_unshuffle", "unfold", "fold", "as_strided"})
+_SCALAR_READS = frozenset({"__float__", "__int__", "__bool__", "__index__", "item",
+                           "tolist"})
+_REFUSED = frozenset({"pad", "layer_norm", "local_response_norm", "grid_sample",
+                      "adaptive_avg_pool3d", "adaptive_max_pool3d", "lp_pool3d",
+                      "fractional_max_pool3d", "max_unpool3d", "rms_norm"})
+
+
+def func_name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    return "max_pool3d" if name in ("_max_pool3d", "max_pool3d_with_indices") else name
+
+
+def bind(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call by name (``SIGNATURES``), defaults filled in."""
+    names = SIGNATURES[name]
+    bound = dict(_DEFAULTS.get(name, {}))
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _triple(value: Any, default: Any = None) -> tuple[int, ...]:
+    if value is None:
+        value = default
+    if isinstance(value, (int, float)):
+        return (int(value),) * 3
+    values = tuple(int(v) for v in value)
+    return values * 3 if len(values) == 1 else values
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A normalisation with statistics: over what it averages and what it updates."""
+
+    kind: str            # "instance" | "group" | "batch"
+    groups: int          # statistic groups per sample (channels for instance/batch)
+    eps: float
+    updates_running: bool
+
+
+@dataclass
+class TracedOp:
+    """One call of the run that touches a spatial tensor."""
+
+    name: str
+    role: str            # conv, conv_transpose, max_pool, avg_pool, interpolate, norm, generic
+    spatial: SpatialOp
+    module: str
+    out_dtype: torch.dtype
+    norm: NormSpec | None = None
+    norm_index: int | None = None   # ordinal among norms with batch statistics
+
+
+@dataclass
+class Trace:
+    """A run, recorded: ops in execution order, node sizes, its inputs, output, parameters."""
+
+    ops: list[TracedOp]
+    inputs: list[int]
+    output: int
+    sizes: dict[int, tuple[int, ...]]
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    params: list[torch.Tensor]
+    norms: list[int] = field(default_factory=list)   # op index of each norm with statistics
+
+    @property
+    def spatial_ops(self) -> list[SpatialOp]:
+        return [op.spatial for op in self.ops]
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, modules: ModuleStack) -> None:
+        super().__init__()
+        self.modules = modules
+        self.ops: list[TracedOp] = []
+        self.sizes: dict[int, tuple[int, ...]] = {}
+        self.params: dict[int, torch.Tensor] = {}
+        self.next_node = 0
+
+    def new_node(self, t: torch.Tensor) -> int:
+        node = self.next_node
+        self.next_node += 1
+        setattr(t, _NODE, node)
+        self.sizes[node] = tuple(int(s) for s in t.shape[2:])
+        return node
+
+    def fail(self, name: str, why: str, fix: str) -> TilingError:
+        return TilingError(f"Cannot tile {name} in module '{self.modules.current()}': {why}. "
+                           f"{fix}")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        spatial = [t for t in tensors if getattr(t, _NODE, None) is not None]
+        spatial_ids = {id(t) for t in spatial}
+        name = func_name(func)
+        if name in _SCALAR_READS and not spatial and not any(
+                isinstance(t, FakeTensor) for t in tensors):
+            # a real buffer read as a number (BatchNorm's 1 / num_batches_tracked): read it
+            # outside the fake mode, which cannot produce data-dependent values
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        for t in tensors:
+            if id(t) in spatial_ids or getattr(t, _INNER, False) or not t.requires_grad:
+                continue
+            if not t.is_leaf:
+                raise self.fail(name, "it uses a tensor that requires grad and comes from "
+                                "outside the run", "Pass that tensor as an input of the run.")
+            self.params.setdefault(id(t), t)
+        if not spatial:
+            out = func(*args, **kwargs)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    setattr(t, _INNER, True)
+            return out
+        role, op_args = self.classify(name, args, kwargs, spatial, tensors)
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return out
+        for t in outs:
+            setattr(t, _INNER, True)
+        inputs = tuple(getattr(t, _NODE) for t in spatial)
+        in_size = self.sizes[inputs[0]]
+        for t in outs:
+            if t.dim() != 5 or (role in ("generic", "norm") and tuple(t.shape[2:]) != in_size):
+                raise self.fail(name, f"it turns a spatial tensor of size {in_size} into "
+                                f"shape {tuple(t.shape)}", "Only spatially local ops can be "
+                                "tiled; end the run before this op.")
+        output = self.new_node(outs[0])
+        for t in outs[1:]:  # e.g. torch.chunk over channels: same region, same node
+            setattr(t, _NODE, output)
+        spatial_op = self.spatial_op(role, op_args, inputs, output)
+        norm: NormSpec | None = op_args.get("norm")
+        self.ops.append(TracedOp(name, role, spatial_op, self.modules.current(),
+                                 outs[0].dtype, norm))
+        return out
+
+    def classify(self, name: str, args: Sequence[Any], kwargs: dict[str, Any],
+                 spatial: list[torch.Tensor], tensors: list[torch.Tensor]
+                 ) -> tuple[str, dict[str, Any]]:
+        for t in spatial:
+            if t.dim() != 5:
+                raise self.fail(name, f"a tensor of the run has {t.dim()} dims",
+                                "Tiled runs take 5-D tensors (N, C, D, H, W).")
+        if name in _REFUSED:
+            raise self.fail(name, "this op is not local or not supported in a tiled run",
+                            "End the run before it, or keep it outside the tiled module.")
+        if name in _DROPOUT:
+            b = dict(zip(("input", "p", "training", "inplace"), args)) | kwargs
+            if b.get("training", True) and float(b.get("p", 0.5)) > 0:
+                raise self.fail(name, f"dropout (p={b.get('p', 0.5)}) draws its mask for the "
+                                "whole volume at once, so tiles cannot reproduce it",
+                                "Set the dropout probability to 0 in tiled stages, or leave "
+                                "this stage untiled (remat3d.checkpoint replays dropout "
+                                "exactly).")
+            return "generic", {}
+        if name == "conv3d":
+            b = bind(name, args, kwargs)
+            kernel = tuple(int(k) for k in b["weight"].shape[2:])
+            dilation = _triple(b["dilation"])
+            padding = b["padding"]
+            if isinstance(padding, str):
+                padding = (0,) * 3 if padding == "valid" else \
+                    tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilation))
+            return "conv", {"kernel": kernel, "stride": _triple(b["stride"]),
+                            "padding": _triple(padding), "dilation": dilation}
+        if name == "conv_transpose3d":
+            b = bind(name, args, kwargs)
+            return "conv_transpose", {"kernel": tuple(int(k) for k in b["weight"].shape[2:]),
+                                      "stride": _triple(b["stride"]),
+                                      "padding": _triple(b["padding"]),
+                                      "dilation": _triple(b["dilation"])}
+        if name in ("max_pool3d", "avg_pool3d"):
+            b = bind(name, args, kwargs)
+            if b["ceil_mode"]:
+                raise self.fail(name, "ceil_mode=True", "Use ceil_mode=False in tiled runs.")
+            if b.get("return_indices"):
+                raise self.fail(name, "return_indices=True (indices are global positions)",
+                                "Do not return pooling indices inside a tiled run.")
+            padding = _triple(b["padding"])
+            if name == "avg_pool3d" and any(padding) and not b["count_include_pad"]:
+                raise self.fail(name, "count_include_pad=False with padding",
+                                "Use count_include_pad=True or no padding in tiled runs.")
+            kernel = _triple(b["kernel_size"])
+            return name.replace("3d", ""), {
+                "kernel": kernel, "stride": _triple(b["stride"], kernel), "padding": padding,
+                "dilation": _triple(b.get("dilation", 1))}
+        if name == "interpolate":
+            b = bind(name, args, kwargs)
+            mode = b["mode"]
+            if mode not in ("nearest", "linear", "bilinear", "trilinear"):
+                raise self.fail(name, f"mode={mode!r}", "Use 'nearest' or 'trilinear'.")
+            if mode != "nearest" and b["align_corners"]:
+                raise self.fail(name, "align_corners=True makes every output position depend "
+                                "on the whole size", "Use align_corners=False.")
+            return "interpolate", {"mode": "nearest" if mode == "nearest" else "linear",
+                                   "request": b}
+        if name in ("instance_norm", "group_norm", "batch_norm"):
+            return "norm", {"norm": self.norm_spec(name, args, kwargs, spatial[0])}
+        if name in _DIM_OPS or name in _SHAPE_OPS:
+            self.check_dims(name, args, kwargs, spatial[0])
+        spatial_ids = {id(t) for t in spatial}
+        for t in tensors:  # a full-size tensor from outside the run cannot be tiled
+            if id(t) not in spatial_ids and not getattr(t, _INNER, False) and t.dim() >= 3 \
+                    and any(s > 1 for s in t.shape[-3:]):
+                raise self.fail(name, f"it combines the run's tensors with a tensor of shape "
+                                f"{tuple(t.shape)} from outside the run",
+                                "Pass that tensor as an input of the run.")
+        return "generic", {}
+
+    def check_dims(self, name: str, args: Sequence[Any], kwargs: dict[str, Any],
+                   x: torch.Tensor) -> None:
+        if name in _SHAPE_OPS:
+            raise self.fail(name, "it may move voxels between positions",
+                            "Keep reshapes and permutations outside tiled runs.")
+        dims = kwargs.get("dim", kwargs.get("dims", args[1] if len(args) > 1 else None))
+        values = dims if isinstance(dims, (list, tuple)) else [dims]
+        for d in values:
+            if not isinstance(d, int) or d % 5 >= 2:
+                raise self.fail(name, f"it works along dimension {d!r}, which is spatial",
+                                "Only channel-wise versions of this op can be tiled.")
+
+    def norm_spec(self, name: str, args: Sequence[Any], kwargs: dict[str, Any],
+                  x: torch.Tensor) -> NormSpec | None:
+        b = bind(name, args, kwargs)
+        channels = int(x.shape[1])
+        if name == "group_norm":
+            return NormSpec("group", int(b["num_groups"]), float(b["eps"]), False)
+        if name == "instance_norm":
+            if not b["use_input_stats"]:
+                return None
+            return NormSpec("instance", channels, float(b["eps"]),
+                            b["running_mean"] is not None)
+        if not (b["training"] or b["running_mean"] is None):
+            return None  # BatchNorm in eval: running statistics, pointwise
+        return NormSpec("batch", channels, float(b["eps"]), b["running_mean"] is not None)
+
+    def spatial_op(self, role: str, a: dict[str, Any], inputs: tuple[int, ...],
+                   output: int) -> SpatialOp:
+        if role in ("conv", "max_pool", "avg_pool"):
+            return SpatialOp(CONV, inputs[:1], output, a["kernel"], a["stride"], a["padding"],
+                             a["dilation"])
+        if role == "conv_transpose":
+            return SpatialOp(CONV_TRANSPOSE, inputs[:1], output, a["kernel"], a["stride"],
+                             a["padding"], a["dilation"])
+        if role == "interpolate":
+            src, dst = self.sizes[inputs[0]], self.sizes[output]
+            if any(d % s for s, d in zip(src, dst)):
+                raise TilingError(
+                    f"Cannot tile interpolate in module '{self.modules.current()}': it "
+                    f"resizes {src} to {dst}, not by an integer factor per axis. Use an "
+                    "integer scale_factor.")
+            return SpatialOp(INTERPOLATE, inputs[:1], output,
+                             scale=tuple(d // s for s, d in zip(src, dst)), mode=a["mode"])
+        return SpatialOp(POINTWISE, inputs, output)
+
+
+def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Trace:
+    """Record ``fn(*inputs)`` on fake tensors (no memory, no compute, buffers untouched)."""
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor) or x.dim() != 5:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TilingError(f"Input {i} of a tiled run must be a 5-D tensor "
+                              f"(N, C, D, H, W); got {got}.")
+    modules = ModuleStack()
+    recorder = _Recorder(modules)
+    with _disable_current_modes(), torch.no_grad():
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [fake_mode.from_tensor(x) for x in inputs]
+        nodes = [recorder.new_node(f) for f in fakes]
+        with modules, BufferGuard(modules), fake_mode, recorder:
+            out = fn(*fakes)
+    if not isinstance(out, torch.Tensor) or getattr(out, _NODE, None) is None:
+        raise TilingError(f"A tiled run must return one spatial tensor computed from its "
+                          f"inputs; got {type(out).__name__}.")
+    ops = recorder.ops
+    norms: list[int] = []
+    for i, op in enumerate(ops):
+        if op.norm is not None:
+            op.norm_index = len(norms)
+            norms.append(i)
+    return Trace(ops=ops, inputs=nodes, output=getattr(out, _NODE),
+                 sizes=recorder.sizes, out_shape=tuple(out.shape), out_dtype=out.dtype,
+                 params=list(recorder.params.values()), norms=norms)
