@@ -239,15 +239,15 @@ class Trainer:
         return lambda output: self.loss_fn(output.float(), label) * scale
 
     def extra_bytes(self, shape: Shape) -> int:
-        """Bytes a training step holds beyond what ``remat3d.plan`` measures: the label
-        (int64) and the optimizer state (AdamW: two moments per trainable weight; SGD: one
-        momentum buffer), which stays alive through every step after the first."""
-        label = shape[0] * int(np.prod(shape[2:])) * 8
+        """Bytes a training step holds beyond what ``remat3d.plan`` measures: the optimizer
+        state (AdamW: two moments and a step count per trainable weight; SGD: one momentum
+        buffer), alive through every step after the first. (The label is in the planned
+        step already: the planning loss reads a meta label of the same shape and dtype.)"""
         weights = [p for p in self.model.parameters() if p.requires_grad]
         trainable = sum(p.numel() * p.element_size() for p in weights)
-        if self.settings.optimizer == "adamw":  # exp_avg, exp_avg_sq and a float32 step count
-            return label + 2 * trainable + 4 * len(weights)
-        return label + trainable
+        if self.settings.optimizer == "adamw":
+            return 2 * trainable + 4 * len(weights)
+        return trainable
 
     def make_plans(self) -> dict[Shape, Plan | None]:
         """One verified plan per distinct input shape (none if memory_budget is 'none').
@@ -275,7 +275,7 @@ class Trainer:
             if budget <= extra:
                 raise BudgetError(
                     f"memory_budget {s.memory_budget!r} ({format_bytes(budget)}) does not even "
-                    f"hold the optimizer state and label ({format_bytes(extra)}) of a "
+                    f"hold the optimizer state ({format_bytes(extra)}) of a "
                     f"{'x'.join(map(str, shape))} step; the unplanned step needs "
                     f"{format_bytes(unplanned + extra)}. Raise the budget."
                 )
@@ -286,12 +286,12 @@ class Trainer:
             except BudgetError as exc:
                 raise BudgetError(
                     f"memory_budget {s.memory_budget!r} = {format_bytes(budget)} for the "
-                    f"whole step, of which {format_bytes(extra)} is optimizer state and "
-                    f"label; for the rest: {exc}"
+                    f"whole step, of which {format_bytes(extra)} is optimizer state; "
+                    f"for the rest: {exc}"
                 ) from None
             self.plans[shape] = plan
             self.say(f"plan for {'x'.join(map(str, shape))} ({s.strategy}): budget "
-                     f"{format_bytes(budget)} = {format_bytes(extra)} optimizer state and label"
+                     f"{format_bytes(budget)} = {format_bytes(extra)} optimizer state"
                      f" + {format_bytes(budget - extra)} for the step; {len(plan.regions)} "
                      f"regions; verified peak {format_bytes((plan.verified_peak_bytes or 0) + extra)}"
                      f" (unplanned {format_bytes(unplanned + extra)}); recompute "
@@ -356,11 +356,9 @@ class Trainer:
             tracker.register([sample.image, sample.label], "input")
             tracker.register(state, "optimizer")
         with tracker if tracker is not None else contextlib.nullcontext():
-            with self.autocast():
-                output = self.model(sample.image)
-            loss = self.loss_fn(output.float(), sample.label)
-            scaled = loss * scale
+            loss, scaled = self._loss(sample, scale)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            del scaled
         if tracker is not None:
             self.peaks[shape] = tracker.peak_bytes
             if state:
@@ -369,6 +367,14 @@ class Trainer:
         elif self.device.type == "cuda":
             self.peaks[shape] = torch.cuda.max_memory_allocated(self.device)
         return float(loss.detach())
+
+    def _loss(self, sample: Sample, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # The output is not held past the loss, as in the step the plan was verified on:
+        # a live reference would keep it through backward, beyond the budget.
+        with self.autocast():
+            output = self.model(sample.image)
+        loss = self.loss_fn(output.float(), sample.label)
+        return loss.detach(), loss * scale
 
     def optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -441,6 +447,10 @@ class Trainer:
         self.make_plans()
         result = TrainResult(self.output_dir, epoch, step,
                              plans={k: v for k, v in self.plans.items() if v is not None})
+        for record in log.records():  # a resumed run reports the validations it kept
+            if record.get("event") == "validation":
+                result.validation.append({k: v for k, v in record.items()
+                                          if k not in ("event", "step")})
 
         def save(epoch_: int, position_: int) -> None:
             save_state(self.output_dir, {
@@ -511,6 +521,11 @@ class _Log:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self.lines = len(kept)
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines()]
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as handle:
