@@ -41,7 +41,8 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except Remat3dError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            # one logical line: the terminal wraps it, so file paths stay whole for copying
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -267,4 +268,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run as `python -m remat3d.cli`: use the imported module, on whose app the commands
+    # of cli_train registered themselves
+    from remat3d.cli import main as _main
+
+    _main()

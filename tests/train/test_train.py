@@ -32,10 +32,10 @@ def workspace(tmp_path_factory):
 
 def settings(workspace, name, **overrides) -> TrainSettings:
     root, data, weights, _ = workspace
-    values = dict(model="unet", model_kwargs={**UNET, "out_channels": 3},
-                  pretrained=str(weights), data=str(data), intensity="none", epochs=2,
-                  memory_budget="0.8x", strategy="blocks", save_every=2, lr=1e-2,
-                  pretrained_lr=1e-3, output_dir=str(root / name), progress=False)
+    values = {"model": "unet", "model_kwargs": {**UNET, "out_channels": 3},
+              "pretrained": str(weights), "data": str(data), "intensity": "none", "epochs": 2,
+              "memory_budget": "0.8x", "strategy": "blocks", "save_every": 2, "lr": 1e-2,
+              "pretrained_lr": 1e-3, "output_dir": str(root / name), "progress": False}
     values.update(overrides)
     s = TrainSettings(**values)
     s.validate()
@@ -116,7 +116,7 @@ def test_frozen_encoder_gets_no_update_and_plan_keeps_gradients_exact(workspace)
     trainer = Trainer(s, say=lambda m: None)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.make_plans()
-    shape, plan = next(iter(trainer.plans.items()))
+    plan = next(iter(trainer.plans.values()))
     sample = trainer.load_batch([0], 0)
     check = check_plan_gradients(trainer.model, plan, sample.image,
                                  lambda out: trainer.loss_fn(out, sample.label))

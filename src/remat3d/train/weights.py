@@ -119,24 +119,26 @@ def _unwrap(content: Any, path: Path) -> dict[str, torch.Tensor]:
 
 def _fit_names(tensors: dict[str, torch.Tensor], wanted: set[str]) -> tuple[
         dict[str, torch.Tensor], list[str]]:
-    """Strip wrapper infixes, then prefixes, while that makes more names match the model."""
+    """Strip wrapper infixes, then the prefixes that make the most names match the model."""
     stripped: list[str] = []
     for infix in _INFIXES:
         if any(infix in k for k in tensors):
             tensors = {k.replace(infix, ""): v for k, v in tensors.items()}
             stripped.append(infix)
-    while True:
+    # peel wrapper prefixes while every key has one (e.g. "model.module."), and keep the
+    # version whose names match the model best
+    best = (len(wanted & set(tensors)), tensors, list(stripped))
+    peeled = list(stripped)
+    for _ in range(len(_PREFIXES)):
+        prefix = next((p for p in _PREFIXES if all(k.startswith(p) for k in tensors)), None)
+        if prefix is None:
+            break
+        tensors = {k[len(prefix):]: v for k, v in tensors.items()}
+        peeled.append(prefix)
         score = len(wanted & set(tensors))
-        best = None
-        for prefix in _PREFIXES:
-            if all(k.startswith(prefix) for k in tensors):
-                renamed = {k[len(prefix):]: v for k, v in tensors.items()}
-                if len(wanted & set(renamed)) > score:
-                    best = (prefix, renamed)
-        if best is None:
-            return tensors, stripped
-        stripped.append(best[0])
-        tensors = best[1]
+        if score > best[0]:
+            best = (score, tensors, list(peeled))
+    return best[1], best[2]
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> LoadReport:

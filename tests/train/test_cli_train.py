@@ -1,0 +1,166 @@
+"""`remat3d train` and `remat3d demo` on the command line: results for people, one red line
+and exit status 2 for every bad input, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from remat3d.cli import app
+from tests.data.volumes import blob_case, write_dataset, write_volume
+
+runner = CliRunner()
+UNET = {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1, "out_channels": 3}
+
+
+def config(tmp_path, **values):
+    settings = {"model": "unet", "model_kwargs": UNET, "data": "data/dataset.json",
+                "epochs": 1, "memory_budget": "0.8x", "strategy": "blocks",
+                "output_dir": "run", "progress": False, **values}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+@pytest.fixture()
+def data(tmp_path):
+    write_dataset(tmp_path / "data", cases=2, validation=1, shape=(20, 20, 16))
+    return tmp_path
+
+
+def test_train_runs_and_reports(data):
+    result = runner.invoke(app, ["train", str(config(data)), f"--output_dir={data / 'out'}",
+                                 "--epochs=2"])
+    assert result.exit_code == 0, result.output
+    for text in ("plan for 1x1x32x32x32", "validation Dice", "2 epochs, 4 optimizer steps",
+                 "measured step peak", "model.pt"):
+        assert text in result.output, text
+    assert (data / "out" / "model.pt").is_file() and (data / "out" / "state.pt").is_file()
+    assert not [p for p in (data / "out").iterdir() if p.name.endswith(".tmp")]
+
+
+def corrupt(kind, root):
+    images = root / "data" / "imagesTr"
+    if kind == "truncated":
+        raw = (images / "case0.nii.gz").read_bytes()
+        (images / "case0.nii.gz").write_bytes(raw[: len(raw) // 3])
+    elif kind == "nan":
+        image, _ = blob_case((20, 20, 16), 0)
+        image[3, 3, 3] = np.nan
+        write_volume(images / "case0.nii.gz", image)
+    elif kind == "shape":
+        image, _ = blob_case((20, 20, 14), 0)
+        write_volume(images / "case0.nii.gz", image)
+    elif kind == "affine":
+        image, _ = blob_case((20, 20, 16), 0)
+        write_volume(images / "case0.nii.gz", image, np.diag([3.0, 2.0, 2.0, 1.0]))
+    elif kind == "channels":
+        image, _ = blob_case((20, 20, 16), 0)
+        write_volume(images / "case0.nii.gz", np.stack([image, image], axis=-1))
+    elif kind == "small":
+        image, label = blob_case((6, 20, 16), 0)
+        write_volume(images / "case0.nii.gz", image)
+        write_volume(root / "data" / "labelsTr" / "case0.nii.gz", label)
+    elif kind == "empty":
+        (root / "data" / "dataset.json").write_text('{"training": []}')
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("truncated", r"Cannot read .*case0\.nii\.gz.*truncated"),
+    ("nan", r"case0\.nii\.gz' has 1 NaN/Inf voxel"),
+    ("shape", r"label .*case0\.nii\.gz' has shape \(20, 20, 16\) but its image"),
+    ("affine", r"case0\.nii\.gz' .* different affines"),
+    ("channels", r"case0.nii.gz.\) has 2 channel\(s\) but the model takes 1"),
+    ("small", r"case0.*6x20x16 voxels.*at least 32"),
+    ("empty", r"lists no training cases"),
+])
+def test_bad_data_is_one_line_before_training(data, kind, message):
+    import re
+
+    corrupt(kind, data)
+    result = runner.invoke(app, ["train", str(config(data))])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "error:" in result.output
+    assert re.search(message, " ".join(result.output.split())), result.output
+    assert not (data / "run" / "state.pt").exists()  # refused before training started
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--epoch=2"], "Unknown setting 'epoch'"),
+    (["--amp=fp8"], "amp='fp8' is invalid"),
+    (["--pretrained=missing.pt"], "missing.pt' do not exist"),
+    (["--model=nosuchnet"], "Unknown model preset 'nosuchnet'"),
+    (["--memory_budget=1KB"], "does not even hold the optimizer state"),
+    (["--freeze=[encoder.*]"], "'encoder.*' matches no parameter"),
+    (["stray"], "expected --key=value"),
+])
+def test_bad_settings_are_one_line(data, extra, message):
+    result = runner.invoke(app, ["train", str(config(data)), *extra])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert message in " ".join(result.output.split()), result.output
+
+
+def test_resume_without_a_run(data):
+    result = runner.invoke(app, ["train", str(config(data)), "--resume"])
+    assert result.exit_code == 2 and "Nothing to resume" in result.output
+
+
+def test_killed_process_resumes_to_the_same_weights(data):
+    """A real kill (SIGKILL) mid-run, then --resume, against an uninterrupted run."""
+    cfg = config(data, epochs=3, save_every=1)
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    command = [sys.executable, "-m", "remat3d", "train", str(cfg)]
+    whole = subprocess.run([*command, f"--output_dir={data / 'whole'}"], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr
+
+    killed_dir = data / "killed"
+    process = subprocess.Popen([*command, f"--output_dir={killed_dir}"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        state = killed_dir / "state.pt"
+        if state.exists() and torch.load(state, weights_only=True)["step"] >= 2:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = torch.load(killed_dir / "state.pt", weights_only=True)
+    assert 2 <= saved["step"] < 6, "killed too late to test a resume"
+    resumed = subprocess.run([*command, f"--output_dir={killed_dir}", "--resume"], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    a = torch.load(data / "whole" / "model.pt", weights_only=True)
+    b = torch.load(killed_dir / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_demo_small(tmp_path):
+    from remat3d.train.demo import run_demo
+
+    result = run_demo(tmp_path / "demo", pretrain_epochs=1, finetune_epochs=1, spacing=6.0,
+                      budget="0.8x", progress=False, say=lambda m: None)
+    assert result.gradients_equal, result.gradient_check
+    assert result.peak_planned < result.peak_unplanned
+    assert result.figure.is_file() and result.figure.stat().st_size > 10_000
+    assert 0 <= result.dice_before <= 1 and 0 <= result.dice_after <= 1
+    assert "recompute" in result.plan_summary
+
+
+@pytest.mark.slow
+def test_demo_command_defaults(tmp_path):
+    """The README's main job, as shipped (a few minutes on 2 CPU cores)."""
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")])
+    assert result.exit_code == 0, result.output
+    for text in ("remat3d plan", "no checkpointing", "bitwise equal", "Dice", "demo.png"):
+        assert text in result.output, text
