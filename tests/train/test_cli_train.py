@@ -121,7 +121,7 @@ def test_killed_process_resumes_to_the_same_weights(data):
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "remat3d", "train", str(cfg)]
     whole = subprocess.run([*command, f"--output_dir={data / 'whole'}"], env=env,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, check=False)
     assert whole.returncode == 0, whole.stderr
 
     killed_dir = data / "killed"
@@ -138,7 +138,7 @@ def test_killed_process_resumes_to_the_same_weights(data):
     saved = torch.load(killed_dir / "state.pt", weights_only=True)
     assert 2 <= saved["step"] < 6, "killed too late to test a resume"
     resumed = subprocess.run([*command, f"--output_dir={killed_dir}", "--resume"], env=env,
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=600, check=False)
     assert resumed.returncode == 0, resumed.stderr
     a = torch.load(data / "whole" / "model.pt", weights_only=True)
     b = torch.load(killed_dir / "model.pt", weights_only=True)

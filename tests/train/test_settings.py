@@ -24,8 +24,8 @@ def test_yaml_with_overrides_and_relative_paths(tmp_path):
 
 
 @pytest.mark.parametrize("text, overrides, message", [
-    ("data: x\nepoch: 3\n", [], r"Unknown setting 'epoch' \(from .*run.yaml\)\. Did you mean "
-                                r"'epochs'\?"),
+    ("data: x\nepoch: 3\n", [], (r"Unknown setting 'epoch' \(from .*run.yaml\)\. Did you mean "
+                                 r"'epochs'\?")),
     ("data: x\n", ["--memory-budget=1GiB"], r"Unknown setting 'memory-budget'.*memory_budget"),
     ("data: x\nepochs: three\n", [], r"epochs='three' .* should be int"),
     ("data: x\namp: fp8\n", [], r"amp='fp8' is invalid: use none, bf16 or fp16"),
