@@ -117,3 +117,22 @@ def test_recursive_plan_with_a_budget_verifies():
     p = remat3d.plan(net, shape, budget=int(unplanned.peak_bytes * 0.6), strategy="recursive")
     assert p.verified_peak_bytes < unplanned.peak_bytes
     assert p.recompute_flops > 0
+
+
+def test_nested_segments_of_one_sequential_run_exactly_and_crossing_ones_are_refused():
+    from remat3d.planspec import PlanError, Region
+
+    net = _net(8)
+    x = torch.randn(1, 2, 6, 6, 6)
+    seg = [str(i) for i in range(8)]
+    nested = Plan(regions=[Region("", segment=seg[0:6]), Region("", segment=seg[0:3]),
+                           Region("", segment=seg[3:5])])
+    report = assert_exact(net, x, nested)
+    assert sorted(r.recomputes for r in report.regions) == [1, 1, 1]
+    crossing = Plan(regions=[Region("", segment=seg[0:4]), Region("", segment=seg[2:6])])
+    remat3d.apply(net, crossing)
+    try:
+        with pytest.raises(PlanError, match="must nest"):
+            net(x)
+    finally:
+        remat3d.remove(net)
