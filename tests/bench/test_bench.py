@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from remat3d.bench.compiled import compiled_step, measure_cast_step
 from remat3d.cli import app
 from remat3d.errors import Remat3dError
 
+TINY_NET = str(Path(__file__).with_name("tiny_net.py"))
 REQUIRED = ("model", "input_shape", "amp", "method", "budget_bytes", "peak_bytes",
             "saved_bytes", "flops", "recompute_flops", "step_time_ratio", "plan_seconds",
             "grads_equal", "machine", "date", "versions")
@@ -27,7 +29,8 @@ REQUIRED = ("model", "input_shape", "amp", "method", "budget_bytes", "peak_bytes
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = CliRunner().invoke(app, ["bench", "--suite", "tiny", "--out", str(out)])
+    result = CliRunner().invoke(app, ["bench", "--suite", "tiny", "--models", TINY_NET,
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output
     return out, result.output
 
@@ -46,8 +49,12 @@ def test_tiny_suite_writes_valid_results_report_and_plots(tiny):
     for r in records:
         if r.tier == "cpu" and r.status == "ok":
             # exactness: every method's gradients equal the unplanned step's bitwise
-            assert r.grads_equal is True and r.buffers_equal is True, r
+            assert r.grads_equal is True, r
             assert r.step_time_ratio is not None and r.step_time_ratio > 0
+            # torch's checkpoint updates BatchNorm statistics again when it recomputes
+            # (pytorch 96136); remat3d's regions update them once
+            torch_checkpoint = r.method in ("torch-blocks", "checkpoint-sequential")
+            assert r.buffers_equal is not torch_checkpoint, r
         if r.method.startswith("remat3d:optimal") and r.status == "ok":
             assert r.peak_bytes <= r.budget_bytes  # the budget is a promise
             assert r.plan_seconds is not None

@@ -9,6 +9,11 @@ For each method a copy of one CPU model (same weights) gets the method installed
 - *time*: ``repeats`` rounds after one warm-up round; each round runs every method once,
   in turn (interleaved, so a slow spell of a shared machine hits every method alike);
   ``step_time_ratio`` is the median over rounds of (method seconds / unplanned seconds).
+  Each round starts one method later than the one before (allocator and cache state
+  favour whichever runs after a given method, not a fixed one).
+
+remat3d's ``optimal`` runs here without offload: on a CPU-only step "host memory" is the
+same memory, so an offload plan has nothing to save or time.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def _contenders(run: CaseRun, suite: Suite, reference: nn.Module) -> list[_Conte
                                "saved_bytes": step.saved_bytes, "flops": step.flops}))
     plans: list[tuple[str, str, int, bool, float]] = [
         (s, "", 1 << 62, False, 0.0) for s in suite.strategies]
-    for offload in suite.offload:
+    for offload in (False,):  # offloading a CPU step copies host to host: nothing to time
         try:
             smallest, seconds = smallest_feasible(reference, shape, None, offload)
         except Remat3dError as exc:
@@ -158,8 +163,10 @@ def run_cpu_case(run: CaseRun, suite: Suite) -> None:
             c.values.update(peak_bytes=m.peak_bytes, saved_bytes=m.saved_bytes, flops=m.flops)
     run.base_flops = contenders[0].values["flops"]
 
+    n = len(contenders)
     for r in range(suite.repeats + 1):  # round 0 warms up
-        for c in contenders:
+        for i in range(n):  # each round starts one method later: no method is always first
+            c = contenders[(r + i) % n]
             seconds, _ = _step(c, x)
             if r:
                 c.seconds.append(seconds)

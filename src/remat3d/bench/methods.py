@@ -26,12 +26,14 @@ from remat3d import zoo
 from remat3d.errors import BudgetError, Remat3dError
 from remat3d.planning import plan
 from remat3d.planspec import Plan
-from remat3d.runtime.apply import apply
+from remat3d.runtime.apply import apply, model_fingerprint
 
 __all__ = [
     "Planned",
     "build",
     "case_shape",
+    "check_model",
+    "is_spec",
     "plan_method",
     "smallest_feasible",
 ]
@@ -40,10 +42,25 @@ log = logging.getLogger(__name__)
 _SMALLEST = re.compile(r"smallest feasible budget is [^(]*\((\d+) bytes\)")
 
 
-def case_shape(model: str, size: int) -> tuple[int, ...]:
-    """``(1, C, s, s, s)`` made legal for the model (padded up to its divisor, min size)."""
+def is_spec(model: str) -> bool:
+    """A ``package.module:Class`` or ``.py`` model spec rather than a preset name."""
+    return ":" in model or model.endswith(".py")
+
+
+def case_shape(model: str, size: int, kwargs: dict | None = None) -> tuple[int, ...]:
+    """``(1, C, s, s, s)``, for a preset made legal (padded up to its divisor, min size)."""
+    if is_spec(model):
+        return (1, int((kwargs or {}).get("in_channels", 1)), size, size, size)
     preset = zoo.get_preset(model)
     return zoo.legal_shape(preset, (1, preset.in_channels, size, size, size))
+
+
+def check_model(model: str) -> None:
+    """Raise ``ModelSpecError`` now for a model the bench could not build."""
+    if is_spec(model):
+        zoo.build_model(model, device="meta")
+    else:
+        zoo.get_preset(model)
 
 
 def build(model: str, shape: tuple[int, ...], device: str, kwargs: dict | None = None,
@@ -68,9 +85,22 @@ def plan_method(net: nn.Module, shape: tuple[int, ...], amp: str | None, strateg
     return Planned(result, time.perf_counter() - start)
 
 
+_SMALLEST_FOUND: dict[tuple, tuple[int, float]] = {}
+
+
 def smallest_feasible(net: nn.Module, shape: tuple[int, ...], amp: str | None,
                       offload: bool) -> tuple[int, float]:
-    """remat3d's smallest feasible budget (from its infeasible-budget error) and seconds."""
+    """remat3d's smallest feasible budget (from its infeasible-budget error) and the
+    seconds the search took. Remembered per model structure, shape, amp and offload, so
+    a CPU case at a sweep's size reuses the sweep's search (and ``plan``'s cached plan)."""
+    key = (model_fingerprint(net), tuple(shape), amp, offload)
+    if key not in _SMALLEST_FOUND:
+        _SMALLEST_FOUND[key] = _search_smallest(net, shape, amp, offload)
+    return _SMALLEST_FOUND[key]
+
+
+def _search_smallest(net: nn.Module, shape: tuple[int, ...], amp: str | None,
+                     offload: bool) -> tuple[int, float]:
     start = time.perf_counter()
     try:
         plan(net, shape, budget=1, strategy="optimal", offload=offload, amp=amp)

@@ -54,7 +54,7 @@ def headline_methods(records: list[Record]) -> list[tuple[str, Record]]:
     out: list[tuple[str, Record]] = []
     for method, label in (("none", "no checkpointing"), ("torch-blocks", "torch: every block"),
                           ("remat3d:blocks", "remat3d: every block")):
-        out += [(label, r) for r in ok if r.method == method and r.setting in ("", r.setting)][:1]
+        out += [(label, r) for r in ok if r.method == method][:1]
     compiled = [r for r in ok if r.method == "compile"]
     if compiled:
         best = min(compiled, key=lambda r: (r.peak_bytes or 0, r.recompute_flops or 0))
@@ -100,6 +100,11 @@ def _overhead_curves(records: list[Record], path: Path) -> Path | None:
                 ax.plot(xs, ys, style, label=method + (" (memory_budget)" if method ==
                                                        "compile" else ""))
         for r in recs:
+            if r.method == "compile":  # which memory_budget gave which point
+                ax.annotate(r.setting.split("=")[-1],
+                            (r.peak_bytes / GIB, 100 * (r.recompute_ratio or 0)),  # type: ignore[operator]
+                            textcoords="offset points", xytext=(4, 4), fontsize=7,
+                            color="green")
             if r.method in _MARKERS:
                 ax.plot([r.peak_bytes / GIB], [100 * (r.recompute_ratio or 0)],  # type: ignore[operator]
                         _MARKERS[r.method], markersize=9,

@@ -47,8 +47,9 @@ def equal_peak_rows(recs: list[Record]) -> list[dict]:
         if ours is None:
             continue
         ratio = None
-        if ours.status == "ok" and r.recompute_flops and ours.recompute_flops is not None:
-            ratio = ours.recompute_flops / r.recompute_flops
+        if ours.status == "ok" and (r.recompute_flops or 0) > 0 and \
+                ours.recompute_flops is not None:
+            ratio = ours.recompute_flops / r.recompute_flops  # type: ignore[operator]
         rows.append({"baseline": r, "remat3d": ours, "ratio": ratio})
     return rows
 
@@ -106,6 +107,9 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
                 ours = (f"{_bytes(o.peak_bytes)} | {_pct(o.recompute_ratio)}"
                         if o.status == "ok" else f"{o.status} | —")
                 ratio = "—" if row["ratio"] is None else f"{row['ratio']:.2f}"
+                if row["ratio"] is None and o.status == "ok":
+                    ratio = ("— (neither recomputes FLOPs)" if not o.recompute_flops
+                             else "— (baseline recomputes no FLOPs)")
                 lines.append(f"| {b.method} {b.setting} | {_bytes(b.peak_bytes)} | "
                              f"{_pct(b.recompute_ratio)} | {ours} | {ratio} |")
             curve = sorted((r for r in recs if r.method.startswith("remat3d:optimal")

@@ -42,12 +42,12 @@ def run_suite(suite: Suite, out: str | os.PathLike[str], *, command: str = "",
               on_case: Callable[[int, int, Case], None] | None = None) -> BenchResult:
     """Run every case of ``suite``; write ``results.json``, ``report.md`` and plots to
     ``out``. ``on_case(i, n, case)`` is called before each case (for progress bars)."""
-    from remat3d import zoo
+    from remat3d.bench.methods import check_model
     from remat3d.bench.plots import write_plots
     from remat3d.bench.report import write_report
 
     for name in {c.model for c in suite.cases()}:
-        zoo.get_preset(name)  # unknown names fail before any work
+        check_model(name)  # unknown names fail before any work
     start = time.perf_counter()
     out_dir = Path(out)
     stamp = _stamp()
@@ -56,8 +56,8 @@ def run_suite(suite: Suite, out: str | os.PathLike[str], *, command: str = "",
     for i, case in enumerate(cases):
         if on_case is not None:
             on_case(i, len(cases), case)
-        run = CaseRun(case, case_shape(case.model, case.size), stamp,
-                      suite.model_kwargs.get(case.model, {}))
+        kwargs = suite.model_kwargs.get(case.model, {})
+        run = CaseRun(case, case_shape(case.model, case.size, kwargs), stamp, kwargs)
         try:
             if case.kind == "cpu":
                 run_cpu_case(run, suite)

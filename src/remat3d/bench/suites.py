@@ -91,13 +91,13 @@ QUICK = Suite(
 
 FULL = Suite(
     name="full",
-    sweep_models=("nnunet", "unet", "basicunet", "segresnet"), sweep_sizes=(128,),
+    sweep_models=("nnunet", "unet", "basicunet"), sweep_sizes=(128,),
     sweep_amps=("none",),
     point_models=("nnunet",), point_sizes=(128, 256, 512), point_amps=("bf16",),
-    cpu_models=("nnunet", "segresnet", "basicunet"), cpu_sizes=(32,),
-    budgets=("0.95x", "0.9x", "0.85x", "0.8x", "0.75x", "0.7x"),
-    compile_budgets=(1.0, 0.8, 0.6, 0.4, 0.2, 0.0),
-    cpu_compile_budgets=(0.5, 0.0),
+    cpu_models=("nnunet", "unet", "segresnet"), cpu_sizes=(32,),  # nnunet: 64 (its minimum)
+    budgets=("0.9x", "0.8x", "0.7x"),
+    compile_budgets=(1.0, 0.7, 0.5, 0.3, 0.0),
+    cpu_compile_budgets=(0.5,),
     segments=(2, 4),
     strategies=("blocks", "sqrt", "selective"),
     repeats=5,
@@ -108,7 +108,7 @@ TINY = Suite(
     name="tiny",
     sweep_models=("segresnet",), sweep_sizes=(16,), sweep_amps=("none",),
     point_models=("segresnet",), point_sizes=(8, 16), point_amps=("bf16",),
-    cpu_models=("segresnet",), cpu_sizes=(8,),
+    cpu_models=("segresnet",), cpu_sizes=(16,),  # the sweep's size: its plans are reused
     budgets=("0.9x",),
     compile_budgets=(),
     cpu_compile_budgets=(),
@@ -168,12 +168,12 @@ def suite_from_options(name: str, models: str | None = None, sizes: str | None =
     ...
     remat3d.errors.Remat3dError: Cannot read --sizes 'big': give spatial edges like 128,256,512.
     """
-    from remat3d import zoo
+    from remat3d.bench.methods import check_model
 
     suite = get_suite(name)
     model_list = _items(models)
     for model in model_list:
-        zoo.get_preset(model)  # unknown names fail here, with a suggestion
+        check_model(model)  # unknown names fail here, with a suggestion
     try:
         size_list = [int(s) for s in _items(sizes)]
     except ValueError:
