@@ -67,6 +67,8 @@ def run_suite(suite: Suite, out: str | os.PathLike[str], *, command: str = "",
             log.warning("%s %s %s: %s", case.model, case.size, case.kind, exc)
             run.add("none", status="error", note=f"case failed: {exc}")
         records += run.records
+        # after every case, so a long run can be followed and a crash loses one case
+        write_results(out_dir / "results.json", records, suite=suite.name, command=command)
     seconds = time.perf_counter() - start
     write_results(out_dir / "results.json", records, suite=suite.name, command=command)
     files = [out_dir / "results.json"]
