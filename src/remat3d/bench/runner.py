@@ -14,7 +14,6 @@ from remat3d.bench.meta_cases import CaseRun, run_meta_case
 from remat3d.bench.methods import case_shape
 from remat3d.bench.records import Record, machine_info, now, versions_info, write_results
 from remat3d.bench.suites import Case, Suite
-from remat3d.errors import Remat3dError
 
 __all__ = ["BenchResult", "run_suite"]
 
@@ -63,9 +62,9 @@ def run_suite(suite: Suite, out: str | os.PathLike[str], *, command: str = "",
                 run_cpu_case(run, suite)
             else:
                 run_meta_case(run, suite)
-        except Remat3dError as exc:  # one case failing is a result, not the end of the run
-            log.warning("%s %s %s: %s", case.model, case.size, case.kind, exc)
-            run.add("none", status="error", note=f"case failed: {exc}")
+        except Exception as exc:  # one case failing is a result, not the end of the run
+            log.warning("%s %s %s failed", case.model, case.size, case.kind, exc_info=True)
+            run.add("none", status="error", note=f"case failed: {type(exc).__name__}: {exc}")
         records += run.records
         # after every case, so a long run can be followed and a crash loses one case
         write_results(out_dir / "results.json", records, suite=suite.name, command=command)
