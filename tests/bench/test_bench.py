@@ -16,9 +16,11 @@ from remat3d.bench.baselines import (
     install_block_checkpoints,
     install_checkpoint_sequential,
 )
-from remat3d.bench.compiled import compiled_step, measure_cast_step
+from remat3d.bench.compiled import budget_context, compiled_step, measure_cast_step
 from remat3d.cli import app
 from remat3d.errors import Remat3dError
+from remat3d.instrument.reference import allocator_measure
+from remat3d.instrument.step import prepare_step
 
 TINY_NET = str(Path(__file__).with_name("tiny_net.py"))
 REQUIRED = ("model", "input_shape", "amp", "method", "budget_bytes", "peak_bytes",
@@ -115,10 +117,15 @@ def _net() -> nn.Module:
 def test_compile_budget_is_measured_not_eager():
     shape = (1, 1, 16, 16, 16)
     _, keep = compiled_step(_net().to("meta"), shape, "meta", None, 1.0)
-    _, recompute = compiled_step(_net().to("meta"), shape, "meta", None, 0.0)
+    compiled, recompute = compiled_step(_net(), shape, "cpu", None, 0.0)
     # dynamo falling back to eager would give the same figures for both budgets
     assert recompute.saved_bytes < keep.saved_bytes
     assert recompute.flops > keep.flops and keep.graphs == recompute.graphs == 1
+    # the compiled step's tracker peak is the CPU allocator's at op boundaries
+    with budget_context(0.0):
+        allocator = allocator_measure(prepare_step(compiled, [torch.randn(shape)], "cpu",
+                                                   None, None))
+    assert allocator.peak_bytes == recompute.peak_bytes
 
 
 def test_explicit_casts_match_meta_autocast():
