@@ -64,7 +64,7 @@ def run_demo(output_dir: str | Path = "remat3d-demo", *, budget: str = "0.65x",
 
     # 1. pretraining on CT phantoms
     say("[1/4] pretraining a small 3D U-Net on synthetic CT phantoms")
-    phantoms = write_phantom_dataset(out / "data" / "phantoms", cases=6, shape=(48, 48, 40))
+    phantoms = write_phantom_dataset(out / "data" / "phantoms", cases=6, shape=(48, 48, 32))
     pre = TrainSettings(
         model="unet", model_kwargs={**_UNET, "out_channels": 2}, data=str(phantoms),
         intensity="ct", ct_window=[-200.0, 300.0], val_fraction=0.0, epochs=pretrain_epochs,
@@ -96,7 +96,7 @@ def run_demo(output_dir: str | Path = "remat3d-demo", *, budget: str = "0.65x",
         say(f"validation Dice before fine-tuning: {dice_before:.4f}")
 
         say("[3/4] one real step with and without the plan: measured peak and gradients")
-        check = _measure(trainer, shape, plan)
+        check = _measure(trainer, plan)
         timings["measure"] = time.perf_counter() - started
         trainer.fit()
         dice_after = trainer.validate()["dice"]
@@ -109,31 +109,24 @@ def run_demo(output_dir: str | Path = "remat3d-demo", *, budget: str = "0.65x",
     return DemoResult(
         output_dir=out, plan_summary=plan.summary(),
         budget_bytes=(plan.budget_bytes or 0) + extra,
-        peak_unplanned=check["unplanned"].peak_bytes, peak_planned=check["planned"].peak_bytes,
+        peak_unplanned=check["gradients"].peaks["unplanned"],
+        peak_planned=check["gradients"].peaks["planned"],
         gradients_equal=check["gradients"].equal, gradient_check=str(check["gradients"]),
         dice_before=dice_before, dice_after=dice_after, figure=figure,
         seconds=time.perf_counter() - started, timings=timings)
 
 
-def _measure(trainer: Any, shape: tuple[int, ...], plan: Any) -> dict[str, Any]:
-    """A real CPU step of the fine-tuning model on the real volume, unplanned and planned
-    (profiled under the tracker, with the training loss), and the bitwise gradient check."""
-    import remat3d
+def _measure(trainer: Any, plan: Any) -> dict[str, Any]:
+    """One real step of the fine-tuning model on the real volume without and with the plan,
+    under the tracker and with the training loss: peaks, timelines, bitwise gradient check."""
     from remat3d.train.gradcheck import check_plan_gradients
 
     sample = trainer.load_batch([0], 0)
-    loss = lambda output: trainer.loss_fn(output.float(), sample.label)
+    loss = lambda output: trainer.loss_fn(output.float(), sample.label)  # noqa: E731
     trainer.use_plan(None)
-    unplanned = remat3d.profile(trainer.model, sample.image, device=trainer.device.type,
-                                loss_fn=loss)
-    gradients = check_plan_gradients(trainer.model, plan, sample.image, loss,
-                                     autocast=trainer.autocast)
-    trainer.use_plan(shape)
-    planned = remat3d.profile(trainer.model, sample.image, device=trainer.device.type,
-                              loss_fn=loss)
-    trainer.use_plan(None)
-    return {"unplanned": unplanned, "planned": planned, "gradients": gradients,
-            "sample": sample}
+    check = check_plan_gradients(trainer.model, plan, sample.image, loss,
+                                 autocast=trainer.autocast, measure=True)
+    return {"gradients": check, "sample": sample}
 
 
 def _figure(path: Path, trainer: Any, check: dict[str, Any]) -> None:
@@ -152,9 +145,10 @@ def _figure(path: Path, trainer: Any, check: dict[str, Any]) -> None:
     mib = 2**20
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     timeline = axes[0]
+    measured = check["gradients"]
     for key, label in (("unplanned", "no checkpointing"), ("planned", "remat3d plan")):
-        live = [e["live_after"] / mib for e in check[key].timeline]
-        timeline.plot(live, label=f"{label} (peak {check[key].peak_bytes / mib:.0f} MiB)")
+        live = [b / mib for b in measured.timelines[key]]
+        timeline.plot(live, label=f"{label} (peak {measured.peaks[key] / mib:.0f} MiB)")
     budget = next(iter(trainer.plans.values()))
     if budget is not None and budget.budget_bytes is not None:
         timeline.axhline(budget.budget_bytes / mib, color="grey", linestyle="--",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,9 @@ class GradientCheck:
     tensors: int                # gradients and buffers compared
     max_abs_difference: float   # 0.0 when equal
     worst: str | None = None    # the tensor with the largest difference
+    # with measure=True: the tracker's peak and live bytes after each op, per step
+    peaks: dict[str, int] = field(default_factory=dict)          # "unplanned", "planned"
+    timelines: dict[str, list[int]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         if self.equal:
@@ -39,8 +42,17 @@ class GradientCheck:
 
 def check_plan_gradients(model: nn.Module, plan: Plan, inputs: torch.Tensor,
                          loss_fn: Callable[[Any], torch.Tensor],
-                         autocast: Callable[[], Any] | None = None) -> GradientCheck:
-    """Run one step of a copy of ``model`` without and with ``plan``; compare bitwise."""
+                         autocast: Callable[[], Any] | None = None,
+                         measure: bool = False) -> GradientCheck:
+    """Run one step of a copy of ``model`` without and with ``plan``; compare bitwise.
+
+    ``measure=True`` runs both steps under the memory tracker (it observes, never changes
+    the arithmetic) and records their peaks and timelines.
+    """
+    from remat3d.instrument.tracker import MemoryTracker
+
+    peaks: dict[str, int] = {}
+    timelines: dict[str, list[int]] = {}
     import remat3d
     from remat3d.runtime.apply import applied_state
 
@@ -56,13 +68,28 @@ def check_plan_gradients(model: nn.Module, plan: Plan, inputs: torch.Tensor,
         for p in net.parameters():
             p.grad = None
         torch.set_rng_state(rng)
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            output = net(inputs)
-        loss = loss_fn(output)
-        loss.backward()
+        tracker = None
+        if measure:
+            tracker = MemoryTracker(inputs.device)
+            tracker.register_model(net)
+            tracker.register([inputs], "input")
+        with tracker if tracker is not None else contextlib.nullcontext():
+            loss = _loss(net)
+            loss.backward()
+        if tracker is not None:
+            key = "planned" if planned else "unplanned"
+            peaks[key] = tracker.peak_bytes
+            timelines[key] = [e.live_after for e in tracker.timeline]
+            tracker.close()
         tensors = {f"grad {n}": p.grad for n, p in net.named_parameters() if p.grad is not None}
         tensors.update({f"buffer {n}": b for n, b in net.named_buffers()})
         return loss.detach(), tensors
+
+    def _loss(net: nn.Module) -> torch.Tensor:
+        # the output is dropped once the loss holds what it needs, as in a training step
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            output = net(inputs)
+        return loss_fn(output)
 
     rng = torch.get_rng_state()
     loss_a, plain = step(False)
@@ -79,5 +106,5 @@ def check_plan_gradients(model: nn.Module, plan: Plan, inputs: torch.Tensor,
             diff = float((a.float() - b.float()).abs().max()) if b is not None else float("inf")
             if diff >= largest:
                 worst, largest = name, diff
-    return GradientCheck(equal, len(plain), largest, worst)
+    return GradientCheck(equal, len(plain), largest, worst, peaks, timelines)
 
