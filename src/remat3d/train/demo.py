@@ -122,7 +122,7 @@ def _measure(trainer: Any, plan: Any) -> dict[str, Any]:
     from remat3d.train.gradcheck import check_plan_gradients
 
     sample = trainer.load_batch([0], 0)
-    loss = lambda output: trainer.loss_fn(output.float(), sample.label)  # noqa: E731
+    loss = lambda output: trainer.loss_fn(output.float(), sample.label)
     trainer.use_plan(None)
     check = check_plan_gradients(trainer.model, plan, sample.image, loss,
                                  autocast=trainer.autocast, measure=True)
