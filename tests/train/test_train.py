@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,3 +153,41 @@ def test_resume_refuses_changed_settings(workspace):
         train(changed, resume=True)
     with pytest.raises(SettingsError, match="Nothing to resume"):
         train(settings(workspace, "never-ran", memory_budget="none"), resume=True)
+
+
+def test_volumes_of_different_shapes_get_one_plan_each(tmp_path):
+    from tests.data.volumes import blob_case, write_volume
+
+    for i, shape in enumerate([(24, 20, 18), (36, 20, 18), (24, 20, 18)]):
+        image, label = blob_case(shape, i)
+        write_volume(tmp_path / "imagesTr" / f"v{i}.nii.gz", image)
+        write_volume(tmp_path / "labelsTr" / f"v{i}.nii.gz", label)
+    s = TrainSettings(model="unet", model_kwargs={**UNET, "out_channels": 3}, data=str(tmp_path),
+                      val_fraction=0.0, epochs=2, memory_budget="0.8x", strategy="blocks",
+                      output_dir=str(tmp_path / "run"), progress=False)
+    result = train(s)
+    assert sorted(result.plans) == [(1, 1, 32, 32, 32), (1, 1, 48, 32, 32)]
+    assert sorted(result.peaks) == sorted(result.plans)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text()
+           .splitlines()]
+    assert {tuple(r["shape"]) for r in log if r["event"] == "step"} == set(result.plans)
+
+
+def test_fp16_with_grad_scaler_and_a_model_given_as_a_class(workspace):
+    """A package.module:Class model: channels and divisor probed on meta; fp16 autocast
+    steps through a GradScaler."""
+    _, data, _, _ = workspace
+    root = workspace[0]
+    s = TrainSettings(model="monai.networks.nets:BasicUNet",
+                      model_kwargs={"spatial_dims": 3, "in_channels": 1, "out_channels": 3,
+                                    "features": [4, 4, 8, 8, 16, 4]},
+                      data=str(data), epochs=1, amp="fp16", output_dir=str(root / "fp16"),
+                      progress=False)
+    trainer = Trainer(s, say=lambda m: None)
+    assert trainer.geometry.divisor == 1 and trainer.scaler is not None
+    # BasicUNet pads odd sizes itself: only the probed smallest edge pads these volumes
+    edge = trainer.geometry.min_size
+    assert trainer.step_shapes == [tuple(max(s, edge) for s in (24, 20, 18))] * 3
+    result = trainer.fit()
+    assert result.steps == 3 and all(np.isfinite(result.losses))
+    assert trainer.scaler.get_scale() > 0
