@@ -9,6 +9,7 @@ from remat3d.errors import Remat3dError
 from remat3d.graph import CostGraph
 from remat3d.instrument.tracker import MemoryTracker
 from remat3d.measurement import Measurement, measure
+from remat3d.nn.tiling import TilingError, tile
 from remat3d.planning import plan
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import Profile, profile
@@ -26,6 +27,7 @@ __all__ = [
     "Region",
     "Remat3dError",
     "Report",
+    "TilingError",
     "__version__",
     "apply",
     "checkpoint",
@@ -35,6 +37,7 @@ __all__ = [
     "profile",
     "remove",
     "report",
+    "tile",
 ]
 
 __version__ = "0.1.0"

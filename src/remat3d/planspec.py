@@ -26,7 +26,7 @@ from remat3d.units import format_bytes
 __all__ = ["DECISIONS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
-DECISIONS = ("recompute", "offload", "keep")
+DECISIONS = ("recompute", "offload", "keep", "tile")
 
 
 class PlanError(Remat3dError, ValueError):
@@ -43,14 +43,18 @@ class Region:
         segment: for an ``nn.Sequential``, the names of a contiguous run of its children
             that forms the region (``["2", "3", "4"]``); ``None``: the whole module.
         decision: ``"recompute"`` (checkpoint: keep only the inputs, recompute in backward),
-            ``"offload"`` (run normally, move saved tensors to host memory), or ``"keep"``
-            (run normally; only meaningful with ``storage_dtype``).
+            ``"offload"`` (run normally, move saved tensors to host memory), ``"keep"``
+            (run normally; only meaningful with ``storage_dtype``), or ``"tile"`` (run the
+            module tile by tile over its output volume, keeping only its inputs:
+            ``remat3d.tile``; the module must be spatially local, see docs/tiling.md).
         policy: op-level policy inside a recompute region: ``"recompute-all"`` (default),
             ``"save-compute-heavy"``, ``"save-norm-and-pool"``, or a list of aten op names
             to keep (``["convolution", "mm"]``).
         storage_dtype: store saved tensors of an offload/keep region in this dtype
             (``"bfloat16"``): halves their bytes, and is the one choice that changes the
             gradients (rounding), so it is never made unless asked for.
+        tile: output tile edge of a ``"tile"`` region: ``[D, H, W]`` (or one edge for
+            all three axes); tiles need not divide the volume.
     """
 
     module: str
@@ -59,6 +63,7 @@ class Region:
     decision: str = "recompute"
     policy: str | list[str] | None = None
     storage_dtype: str | None = None
+    tile: list[int] | None = None
 
     @property
     def label(self) -> str:
@@ -80,6 +85,21 @@ class Region:
                 f"Region {self.label}: an op policy only applies to decision 'recompute', "
                 f"not {self.decision!r}."
             )
+        if (self.decision == "tile") != (self.tile is not None):
+            raise PlanError(
+                f"Region {self.label}: decision 'tile' needs a tile size and a tile size "
+                f"needs decision 'tile'; got decision {self.decision!r}, tile {self.tile!r}."
+            )
+        if self.tile is not None and (
+                len(self.tile) not in (1, 3)
+                or any(not isinstance(t, int) or t < 1 for t in self.tile)):
+            raise PlanError(
+                f"Region {self.label}: tile must be one or three positive ints (D, H, W), "
+                f"got {self.tile!r}."
+            )
+        if self.decision == "tile" and (self.policy is not None or self.storage_dtype):
+            raise PlanError(f"Region {self.label}: a tiled region takes no op policy or "
+                            "storage dtype (it keeps only its inputs).")
         if self.calls is not None and any((not isinstance(c, int)) or c < 0 for c in self.calls):
             raise PlanError(f"Region {self.label}: calls must be non-negative integers.")
 
@@ -170,5 +190,7 @@ class Plan:
                 extra += f" policy={region.policy}"
             if region.storage_dtype:
                 extra += f" storage={region.storage_dtype}"
+            if region.tile:
+                extra += " tile=" + "x".join(map(str, region.tile))
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
         return "\n".join(lines)

@@ -262,6 +262,8 @@ class _PlannedForward:
     def _run(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         state = self.state
         stats = state.stats[region.label]
+        if region.decision == "tile":
+            return self._tile(region, fn, args, kwargs)
         if region.decision == "recompute":
             calls_at_start = dict(state.calls)
 
@@ -284,6 +286,18 @@ class _PlannedForward:
         )
         with hooks:
             return fn(*args, **kwargs)
+
+    def _tile(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        from remat3d.nn.tiling import tile  # here: nn imports runtime modules
+
+        if kwargs:
+            raise PlanError(f"Plan region {region.label} is tiled, but its module was called "
+                            f"with keyword arguments ({', '.join(kwargs)}); a tiled region "
+                            "takes its tensors positionally. Use decision 'recompute'.")
+        if not is_recomputing():
+            self.state.stats[region.label].forward_runs += 1
+        size = region.tile or [1]
+        return tile(fn, *args, tile=size[0] if len(size) == 1 else tuple(size))
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

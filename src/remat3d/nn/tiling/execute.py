@@ -51,6 +51,11 @@ class StopPass(Exception):
     """Raised inside a statistics pass once the statistics it gathers are complete."""
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Normalisation arithmetic: at least float32 (bf16/fp16 inputs are widened)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def region_of(t: torch.Tensor) -> Region:
     region: Region = getattr(t, REGION)
     return region
@@ -82,8 +87,7 @@ class Stats:
         self.count = 0
         self.mean: torch.Tensor | None = None   # float64, (N|1, G, 1, 1, 1, 1)
         self.m2: torch.Tensor | None = None
-        self.rstd: torch.Tensor | None = None   # float32 once final
-        self.mean32: torch.Tensor | None = None
+        self.rstd: torch.Tensor | None = None   # float64, once final
         self.sums: tuple[torch.Tensor, torch.Tensor] | None = None  # backward: sum g, g*xhat
         self.running: tuple[Any, Any, float | None] | None = None  # buffers, momentum
 
@@ -95,7 +99,7 @@ class Stats:
         n = x6.numel() // (x6.shape[1] * (1 if self.spec.kind == "batch" else x6.shape[0]))
         if n == 0:
             return
-        xf = x6.float()
+        xf = x6.to(compute_dtype(x6.dtype))
         mean = xf.mean(dims, keepdim=True)
         m2 = (xf - mean).square().sum(dims, keepdim=True).double()
         mean = mean.double()
@@ -111,8 +115,7 @@ class Stats:
     def finish(self) -> None:
         assert self.mean is not None and self.m2 is not None
         var = self.m2 / self.count
-        self.rstd = (var + self.spec.eps).rsqrt().float()
-        self.mean32 = self.mean.float()
+        self.rstd = (var + self.spec.eps).rsqrt()
 
     def unbiased_var(self) -> torch.Tensor:
         assert self.m2 is not None
@@ -125,11 +128,12 @@ class _GlobalNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x6: torch.Tensor, stats: Stats,  # type: ignore[override]
                 owned: Region | None) -> torch.Tensor:
-        assert stats.mean32 is not None and stats.rstd is not None
+        assert stats.mean is not None and stats.rstd is not None
         ctx.stats = stats
         ctx.owned = owned
         ctx.save_for_backward(x6)
-        return (x6.float() - stats.mean32) * stats.rstd
+        dtype = compute_dtype(x6.dtype)
+        return (x6.to(dtype) - stats.mean.to(dtype)) * stats.rstd.to(dtype)
 
     @staticmethod
     @once_differentiable
@@ -142,14 +146,16 @@ class _GlobalNorm(torch.autograd.Function):
         stats: Stats = ctx.stats
         if stats.sums is None:
             raise AssertionError("normalisation backward ran before its sums were gathered")
-        assert stats.mean32 is not None and stats.rstd is not None
-        dx = stats.rstd * g
+        assert stats.mean is not None and stats.rstd is not None
+        dtype = g.dtype
+        rstd = stats.rstd.to(dtype)
+        dx = rstd * g
         if ctx.owned is not None:
-            sum_g, sum_gx = stats.sums
+            sum_g, sum_gx = (s.to(dtype) for s in stats.sums)
             local = tuple((0, n) for n in x6.shape[3:])
             x_own = _crop6(x6, local, ctx.owned)
-            xhat = (x_own.float() - stats.mean32) * stats.rstd
-            correction = stats.rstd * (sum_g / stats.count + xhat * (sum_gx / stats.count))
+            xhat = (x_own.to(dtype) - stats.mean.to(dtype)) * rstd
+            correction = rstd * (sum_g / stats.count + xhat * (sum_gx / stats.count))
             _crop6(dx, local, ctx.owned).sub_(correction)
         return dx.to(x6.dtype), None, None
 
@@ -309,7 +315,7 @@ class TileMode(TorchFunctionMode):
             self.captured = xhat
         y = xhat.flatten(1, 2)
         if b["weight"] is not None:
-            y = y * b["weight"].float().view(1, -1, 1, 1, 1)
+            y = y * b["weight"].to(y.dtype).view(1, -1, 1, 1, 1)
         if b["bias"] is not None:
-            y = y + b["bias"].float().view(1, -1, 1, 1, 1)
+            y = y + b["bias"].to(y.dtype).view(1, -1, 1, 1, 1)
         return y.to(op.out_dtype)

@@ -173,10 +173,10 @@ class TiledRun:
                 sum_g = gs if sum_g is None else sum_g + gs
                 sum_gx = gx if sum_gx is None else sum_gx + gx
             if sum_g is None or sum_gx is None:
-                zero = torch.zeros((), dtype=torch.float32, device=dy.device)
+                zero = torch.zeros((), dtype=torch.float64, device=dy.device)
                 stats.sums = (zero, zero)
             else:
-                stats.sums = (sum_g.float(), sum_gx.float())
+                stats.sums = (sum_g, sum_gx)
         dx: list[torch.Tensor | None] = [torch.zeros_like(x) if need else None
                                          for x, need in zip(inputs, needs)]
         dparams: list[torch.Tensor | None] = [None] * len(params)

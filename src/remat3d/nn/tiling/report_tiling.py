@@ -1,0 +1,203 @@
+"""Regenerate the numbers in ``docs/tiling.md``: exactness per preset, and nnU-Net at 512³.
+
+``python -m remat3d.nn.tiling.report_tiling [--exactness] [--size 512] [--tile 128]``
+
+- exactness: each of nnunet, unet, basicunet, segresnet, one fp32 CPU training step with
+  the full-resolution stages tiled (``presets.full_resolution_plan``) against the same
+  step untiled: the largest relative error of the output, of every gradient and of the
+  buffers, for tiles that divide the volume and tiles that do not;
+- memory: one nnU-Net training step on the meta device with bf16 autocast, measured by
+  the tracker (``remat3d.measure``): untiled; full-resolution modules tiled; and
+  ``nnunet_whole_volume_forward``, which tiles the two outer levels of the U-Net as two
+  runs that never hold a full-resolution activation (see docs/tiling.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["exactness_rows", "memory_rows", "nnunet_whole_volume_forward"]
+
+GiB = 2**30
+
+
+def nnunet_whole_volume_forward(model: nn.Module, tile: int | tuple[int, int, int],
+                                checkpoint_inner: bool = True) -> None:
+    """Make a DynUNet (``nnunet`` preset) run its two outer levels tiled (by hand).
+
+    Encoder: ``x -> input_block -> downsamples[0]`` is one tiled run, so the
+    full-resolution skip connection is never stored; the decoder's top stage recomputes it
+    from ``x`` inside its own tiled run ``(u, x) -> output_block(upsamples[-1](u,
+    input_block(x)))``. ``upsamples[-2]`` (half resolution) is tiled too, and the levels
+    below are one recompute region when ``checkpoint_inner``. Installed as an instance
+    ``forward``; ``del model.forward`` undoes it.
+    """
+    from remat3d.nn.tiling import tile as run_tiled
+    from remat3d.runtime.region import checkpoint
+
+    top: Any = model.skip_layers      # DynUNetSkipLayer: downsample, next_layer, upsample
+    second: Any = top.next_layer
+    head: Any = model.output_block
+
+    def encoder(x: torch.Tensor) -> torch.Tensor:
+        return second.downsample(top.downsample(x))
+
+    def decoder(u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return head(top.upsample(u, top.downsample(x)))
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s1 = run_tiled(encoder, x, tile=tile)
+        inner = checkpoint(second.next_layer, s1) if checkpoint_inner else second.next_layer(s1)
+        u = run_tiled(second.upsample, inner, s1, tile=tile)
+        return run_tiled(decoder, u, x, tile=tile)
+
+    object.__setattr__(model, "forward", types.MethodType(forward, model))
+
+
+def memory_rows(size: int, tile: int) -> list[dict[str, Any]]:
+    import remat3d
+    from remat3d import zoo
+    from remat3d.nn.tiling.presets import full_resolution_plan
+
+    x = torch.empty(1, 1, size, size, size, device="meta")
+    rows = []
+    for label in ("untiled", "full-resolution modules tiled", "outer two levels tiled"):
+        model = zoo.build_model("nnunet", device="meta")
+        if label.startswith("full"):
+            remat3d.apply(model, full_resolution_plan("nnunet", tile))
+        elif label.startswith("outer"):
+            nnunet_whole_volume_forward(model, tile)
+        start = time.perf_counter()
+        m = remat3d.measure(model, x, device="meta", amp="bf16")
+        rows.append({"setup": label, "peak_bytes": m.peak_bytes, "flops": m.flops,
+                     "saved_bytes": m.saved_bytes, "breakdown": m.breakdown,
+                     "seconds": time.perf_counter() - start})
+    return rows
+
+
+EXACTNESS_CASES: list[tuple[str, int, Any]] = [
+    ("nnunet", 64, 64), ("nnunet", 64, 24), ("nnunet", 64, (40, 64, 27)),
+    ("unet", 32, 12), ("unet", 48, (20, 48, 17)),
+    ("basicunet", 32, 20), ("basicunet", 48, (13, 48, 22)),
+    ("segresnet", 32, 12), ("segresnet", 48, (19, 48, 30)),
+]
+
+
+def exactness_rows() -> list[dict[str, Any]]:
+    """Per case: tiled vs untiled in fp32 and in fp64, and the fp32 noise floor."""
+    rows = []
+    floors: dict[tuple[str, int], dict[str, float]] = {}
+    for preset, size, tile in EXACTNESS_CASES:
+        if (preset, size) not in floors:
+            floors[preset, size] = split_errors(step_errors(preset, size, tile,
+                                                            reference="float64"))
+        rows.append({"preset": preset, "size": size, "tile": tile,
+                     "fp32": split_errors(step_errors(preset, size, tile)),
+                     "fp64": split_errors(step_errors(preset, size, tile, torch.float64)),
+                     "fp32_floor": floors[preset, size]})
+    return rows
+
+
+def step_errors(preset: str, size: int, tile: Any, dtype: torch.dtype = torch.float32,
+                reference: str = "untiled") -> dict[str, float]:
+    """Largest relative error per tensor of a tiled CPU step against the untiled one.
+
+    ``reference="float64"`` compares the *untiled* step in ``dtype`` with the untiled step
+    in float64 instead: the network's own rounding noise in ``dtype``, the floor below
+    which no reordering of its sums (tiling among them) can be compared.
+    """
+    import remat3d
+    from remat3d import zoo
+    from remat3d.nn.tiling.presets import full_resolution_plan
+
+    torch.manual_seed(0)
+    model = zoo.build_model(preset)
+    model.train()
+    x = torch.randn(1, 1, size, size, size)
+    other = copy.deepcopy(model)
+    if reference == "float64":
+        model, x = model.double(), x.double()
+        other = other.to(dtype)
+    else:
+        model, x = model.to(dtype), x.to(dtype)
+        other = other.to(dtype)
+        remat3d.apply(other, full_resolution_plan(preset, tile))
+    results = []
+    for net in (model, other):
+        x = x.to(next(net.parameters()).dtype)
+        xi = x.clone().requires_grad_(True)
+        out = net(xi)
+        seed = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+        (out * seed).sum().backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+        assert xi.grad is not None
+        grads["input"] = xi.grad
+        buffers = {n: b.clone() for n, b in net.named_buffers()}
+        results.append((out.detach(), grads, buffers))
+    (ref_out, ref_g, ref_b), (out, g, b) = results
+    scale = max(t.abs().max().item() for t in ref_g.values())
+    errors = {"output": _rel(out, ref_out, 0.0)}
+    for name, ref in ref_g.items():
+        # zero in exact arithmetic (a bias right before a normalisation): rounding noise on
+        # both sides, compared on the scale of the largest gradient
+        noise = ref.abs().max().item() < 1e-4 * scale
+        errors[name] = _rel(g[name], ref, scale if noise else 0.0)
+    for name, ref in ref_b.items():
+        errors[name] = _rel(b[name].double(), ref.double(), 1e-12)
+    return errors
+
+
+def split_errors(errors: dict[str, float]) -> dict[str, float]:
+    """Output, worst gradient and worst buffer of a ``step_errors`` result."""
+    buffers = [v for k, v in errors.items() if "running" in k or "num_batches" in k]
+    grads = [v for k, v in errors.items() if k != "output" and "running" not in k
+             and "num_batches" not in k]
+    return {"output": errors["output"], "grads": max(grads),
+            "buffers": max(buffers) if buffers else float("nan")}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    return (a - b).abs().max().item() / max(b.abs().max().item(), floor, 1e-30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--exactness", action="store_true")
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--tile", type=int, default=128)
+    args = parser.parse_args()
+    if args.exactness:
+        print("| preset | volume | tile | fp32: output / worst grad / buffers | "
+              "fp32 noise floor (untiled fp32 vs fp64): output / worst grad | "
+              "fp64: output / worst grad / buffers |")
+        print("|---|---|---|---|---|---|")
+        for r in exactness_rows():
+            f32, f64, floor = r["fp32"], r["fp64"], r["fp32_floor"]
+            print(f"| {r['preset']} | {r['size']}³ | {r['tile']} | "
+                  f"{f32['output']:.1e} / {f32['grads']:.1e} / {f32['buffers']:.1e} | "
+                  f"{floor['output']:.1e} / {floor['grads']:.1e} | "
+                  f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
+                  flush=True)
+    rows = memory_rows(args.size, args.tile)
+    base = rows[0]
+    print(f"\nnnunet {args.size}³, bf16 autocast, meta, tile {args.tile}³")
+    print("| setup | step peak | saved at end of forward | FLOPs | vs untiled |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['setup']} | {r['peak_bytes'] / GiB:.2f} GiB | "
+              f"{r['saved_bytes'] / GiB:.2f} GiB | {r['flops'] / 1e12:.1f} T | "
+              f"{r['flops'] / base['flops']:.2f}x |", flush=True)
+    for r in rows:
+        print(r["setup"], {k: f"{v / GiB:.2f}" for k, v in r["breakdown"].items()},
+              f"{r['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
