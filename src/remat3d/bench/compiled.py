@@ -22,6 +22,10 @@ NOTE [ Measuring a compiled step ]
      layers, fp32 inputs for group/layer norm), which is what CUDA autocast does for
      networks built from those modules; :func:`cast_matches_autocast` checks it against
      MetaAutocast on the eager model, and the runner reports the difference.
+  5. On meta, some ops have no autograd kernel inside a compiled graph (``aot_eager``
+     traces ``aten::prelu`` of MONAI's UNet as non-differentiable: 2 of 97 parameters
+     get gradients), which silently cuts the backward. A step that leaves a trainable
+     parameter without a gradient is refused; such models are measured on CPU.
 """
 
 from __future__ import annotations
@@ -129,8 +133,15 @@ def _measure(model: nn.Module, shape: tuple[int, ...], device: str, amp: str | N
     if compiled and counters["stats"]["unique_graphs"] != before:
         raise Remat3dError("torch.compile recompiled during the measured step, so the "
                            "measurement would include compilation; not measured.")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    missing = sum(p.grad is None for p in trainable)
     for p in model.parameters():
         p.grad = None
+    if missing:  # NOTE rule 5
+        raise Remat3dError(
+            f"the compiled step on {device} left {missing} of {len(trainable)} parameters "
+            "without a gradient (an op without an autograd kernel for this device cut the "
+            "backward), so its memory and FLOPs are not the training step's; not measured.")
     return CompiledStep(tracker.peak_bytes, tracker.saved_bytes, sum(tracker.flops.values()),
                         counters["stats"]["unique_graphs"] - start)
 
