@@ -80,7 +80,7 @@ QUICK = Suite(
     name="quick",
     sweep_models=("nnunet",), sweep_sizes=(128,), sweep_amps=("none",),
     point_models=("nnunet",), point_sizes=(512,), point_amps=("bf16",),
-    cpu_models=("segresnet",), cpu_sizes=(32,),
+    cpu_models=("unet",), cpu_sizes=(32,),
     budgets=("0.9x", "0.8x"),
     compile_budgets=(1.0, 0.5, 0.1),
     cpu_compile_budgets=(0.5,),
