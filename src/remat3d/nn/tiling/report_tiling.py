@@ -28,16 +28,24 @@ __all__ = ["exactness_rows", "memory_rows", "nnunet_whole_volume_forward"]
 GiB = 2**30
 
 
-def nnunet_whole_volume_forward(model: nn.Module, tile: int | tuple[int, int, int],
+def nnunet_whole_volume_forward(model: nn.Module, tile: int, keep_skip: bool = False,
                                 checkpoint_inner: bool = True) -> None:
     """Make a DynUNet (``nnunet`` preset) run its two outer levels tiled (by hand).
 
-    Encoder: ``x -> input_block -> downsamples[0]`` is one tiled run, so the
-    full-resolution skip connection is never stored; the decoder's top stage recomputes it
-    from ``x`` inside its own tiled run ``(u, x) -> output_block(upsamples[-1](u,
-    input_block(x)))``. ``upsamples[-2]`` (half resolution) is tiled too, and the levels
-    below are one recompute region when ``checkpoint_inner``. Installed as an instance
-    ``forward``; ``del model.forward`` undoes it.
+    ``tile`` is the full-resolution tile edge; runs whose output is at half resolution
+    use ``tile // 2`` (tile sizes are in output coordinates). The decoder's top stage and
+    the 1x1 head are one tiled run, so the top stage's 32-channel output is never stored.
+
+    - ``keep_skip=False``: ``x -> input_block -> downsamples[0]`` is one tiled run, so the
+      full-resolution skip connection is never stored; the decoder's top run recomputes it
+      from ``x``: ``(u, x) -> output_block(upsamples[-1](u, input_block(x)))``. Least
+      memory; 4 normalisations per run, so more passes.
+    - ``keep_skip=True``: ``input_block`` and ``downsamples[0]`` are separate tiled runs and
+      the skip (32 channels at full resolution) is kept: 2 normalisations per run.
+
+    ``upsamples[-2]`` (half resolution) is tiled too, and the levels below are one
+    recompute region when ``checkpoint_inner``. Installed as an instance ``forward``;
+    ``del model.forward`` undoes it.
     """
     from remat3d.nn.tiling import tile as run_tiled
     from remat3d.runtime.region import checkpoint
@@ -45,18 +53,28 @@ def nnunet_whole_volume_forward(model: nn.Module, tile: int | tuple[int, int, in
     top: Any = model.skip_layers      # DynUNetSkipLayer: downsample, next_layer, upsample
     second: Any = top.next_layer
     head: Any = model.output_block
+    half = max(tile // 2, 1)
 
     def encoder(x: torch.Tensor) -> torch.Tensor:
         return second.downsample(top.downsample(x))
 
-    def decoder(u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def decoder_from_input(u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return head(top.upsample(u, top.downsample(x)))
 
+    def decoder(u: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return head(top.upsample(u, skip))
+
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        s1 = run_tiled(encoder, x, tile=tile)
+        if keep_skip:
+            skip = run_tiled(top.downsample, x, tile=tile)
+            s1 = run_tiled(second.downsample, skip, tile=half)
+        else:
+            s1 = run_tiled(encoder, x, tile=half)
         inner = checkpoint(second.next_layer, s1) if checkpoint_inner else second.next_layer(s1)
-        u = run_tiled(second.upsample, inner, s1, tile=tile)
-        return run_tiled(decoder, u, x, tile=tile)
+        u = run_tiled(second.upsample, inner, s1, tile=half)
+        if keep_skip:
+            return run_tiled(decoder, u, skip, tile=tile)
+        return run_tiled(decoder_from_input, u, x, tile=tile)
 
     object.__setattr__(model, "forward", types.MethodType(forward, model))
 
@@ -68,12 +86,13 @@ def memory_rows(size: int, tile: int) -> list[dict[str, Any]]:
 
     x = torch.empty(1, 1, size, size, size, device="meta")
     rows = []
-    for label in ("untiled", "full-resolution modules tiled", "outer two levels tiled"):
+    for label in ("untiled", "full-resolution modules tiled",
+                  "outer two levels tiled, skip kept", "outer two levels tiled, skip recomputed"):
         model = zoo.build_model("nnunet", device="meta")
         if label.startswith("full"):
             remat3d.apply(model, full_resolution_plan("nnunet", tile))
         elif label.startswith("outer"):
-            nnunet_whole_volume_forward(model, tile)
+            nnunet_whole_volume_forward(model, tile, keep_skip=label.endswith("kept"))
         start = time.perf_counter()
         m = remat3d.measure(model, x, device="meta", amp="bf16")
         rows.append({"setup": label, "peak_bytes": m.peak_bytes, "flops": m.flops,

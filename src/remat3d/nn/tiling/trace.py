@@ -137,6 +137,7 @@ class TracedOp:
     out_dtype: torch.dtype
     norm: NormSpec | None = None
     norm_index: int | None = None   # ordinal among norms with batch statistics
+    flops: int = 0                  # untiled forward FLOPs (convolutions; 0 for the rest)
 
 
 @dataclass
@@ -151,6 +152,7 @@ class Trace:
     out_dtype: torch.dtype
     params: list[torch.Tensor]
     norms: list[int] = field(default_factory=list)   # op index of each norm with statistics
+    voxel_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def spatial_ops(self) -> list[SpatialOp]:
@@ -164,6 +166,7 @@ class _Recorder(TorchFunctionMode):
         self.ops: list[TracedOp] = []
         self.sizes: dict[int, tuple[int, ...]] = {}
         self.params: dict[int, torch.Tensor] = {}
+        self.voxel_bytes: dict[int, int] = {}   # node -> bytes per voxel (batch x channels)
         self.next_node = 0
 
     def new_node(self, t: torch.Tensor) -> int:
@@ -171,6 +174,7 @@ class _Recorder(TorchFunctionMode):
         self.next_node += 1
         setattr(t, _NODE, node)
         self.sizes[node] = tuple(int(s) for s in t.shape[2:])
+        self.voxel_bytes[node] = int(t.shape[0]) * int(t.shape[1]) * t.element_size()
         return node
 
     def fail(self, name: str, why: str, fix: str) -> TilingError:
@@ -221,8 +225,14 @@ class _Recorder(TorchFunctionMode):
             setattr(t, _NODE, output)
         spatial_op = self.spatial_op(role, op_args, inputs, output)
         norm: NormSpec | None = op_args.get("norm")
+        flops = 0
+        if role in ("conv", "conv_transpose"):  # multiply-adds x 2, as torch's flop counter
+            weight = bind(name, args, kwargs)["weight"]
+            per_voxel = 2 * int(weight.numel()) * int(spatial[0].shape[0])
+            side = spatial[0] if role == "conv_transpose" else outs[0]
+            flops = per_voxel * int(torch.Size(side.shape[2:]).numel())
         self.ops.append(TracedOp(name, role, spatial_op, self.modules.current(),
-                                 outs[0].dtype, norm))
+                                 outs[0].dtype, norm, flops=flops))
         return out
 
     def classify(self, name: str, args: Sequence[Any], kwargs: dict[str, Any],
@@ -371,4 +381,5 @@ def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Trace:
             norms.append(i)
     return Trace(ops=ops, inputs=nodes, output=getattr(out, _NODE),
                  sizes=recorder.sizes, out_shape=tuple(out.shape), out_dtype=out.dtype,
-                 params=list(recorder.params.values()), norms=norms)
+                 params=list(recorder.params.values()), norms=norms,
+                 voxel_bytes=recorder.voxel_bytes)
