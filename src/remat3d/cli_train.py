@@ -3,6 +3,7 @@ of :mod:`remat3d.cli`; kept apart so each file holds one concern)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -36,6 +37,8 @@ def train_command(
         raise typer.BadParameter(f"expected --key=value after the settings file, got "
                                  f"{' '.join(stray)}")
     settings = load_settings(config, overrides)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 talks
+        console.quiet = True
     console.print(f"[bold]remat3d train[/] {settings.model} on {settings.data} -> "
                   f"{settings.output_dir}", highlight=False)
     started = time.perf_counter()

@@ -30,9 +30,10 @@ from remat3d.data.datalist import read_datalist, split_validation
 from remat3d.data.dataset import Sample, VolumeDataset
 from remat3d.data.padding import Geometry, crop_back, probe_geometry
 from remat3d.data.volumes import Preprocessing
-from remat3d.errors import BudgetError, DataError, SettingsError
+from remat3d.errors import BudgetError, DataError, Remat3dError, SettingsError
 from remat3d.graph import atomic_write_text
 from remat3d.planspec import Plan
+from remat3d.train.distributed import barrier, broadcast_object, join, wrap_model
 from remat3d.train.settings import TrainSettings
 from remat3d.train.state import (
     check_resumable,
@@ -72,7 +73,13 @@ def train(settings: TrainSettings, *, resume: bool = False,
     """Run ``settings`` to the end (or continue an interrupted run with ``resume=True``)."""
     with _deterministic(settings):
         trainer = Trainer(settings, say=say)
-        return trainer.fit(resume=resume, interrupt_after=interrupt_after)
+        try:
+            return trainer.fit(resume=resume, interrupt_after=interrupt_after)
+        finally:
+            if trainer.world.enabled:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -124,12 +131,17 @@ class Trainer:
 
         settings.validate()
         self.settings = settings
-        self.say = say
         self.device = resolve_device(settings.device)
+        self.world = join(settings.distributed, self.device.type)
+        if self.world.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.world.local_rank)
+            torch.cuda.set_device(self.device)
+        self.say = say if self.world.main else (lambda message: None)
         self.amp = amp_dtype(settings.amp)
         self.output_dir = Path(settings.output_dir)
         seed_everything(settings.seed)
         self.model, self.load_report = self._build_model(model)
+        self.engine: nn.Module = self.model  # what a training step calls (DDP/FSDP wrap it)
         self.geometry = self._geometry()
         self.train_set, self.val_set = self._datasets()
         self.loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
@@ -146,6 +158,24 @@ class Trainer:
                 f"({', '.join('x'.join(map(str, s)) for s in sorted(set(self.step_shapes))[:4])}"
                 "). Use batch_size: 1 with accumulate: N for the same effective batch."
             )
+        if self.world.enabled:
+            if self.world.mode == "fsdp" and self.amp is torch.float16:
+                raise SettingsError("distributed: fsdp with amp: fp16 is not supported (it "
+                                    "needs a sharded gradient scaler); use amp: bf16.")
+            # plans first (made on rank 0, broadcast), then wrap: FSDP2 shards in place
+            self.make_plans()
+            self.engine = wrap_model(self.model, self.world, self.device)
+            if self.world.mode == "fsdp":
+                # FSDP2 renames the classes it shards (UNet -> FSDPUNet); the module tree and
+                # parameters the plans were verified on are unchanged: re-stamp copies
+                from remat3d.runtime.apply import model_fingerprint
+
+                stamp = model_fingerprint(self.model)
+                for key, plan in self.plans.items():
+                    if plan is not None:
+                        self.plans[key] = Plan.from_dict({**plan.to_dict(),
+                                                          "model_fingerprint": stamp})
+        # after wrapping: under FSDP2 the optimizer must hold the sharded parameters
         self.optimizer = self._optimizer()
         self.scaler = (torch.amp.GradScaler(self.device.type) if self.amp is torch.float16
                        else None)
@@ -239,17 +269,55 @@ class Trainer:
         return lambda output: self.loss_fn(output.float(), label) * scale
 
     def extra_bytes(self, shape: Shape) -> int:
-        """Bytes a training step holds beyond what ``remat3d.plan`` measures: the optimizer
-        state (AdamW: two moments and a step count per trainable weight; SGD: one momentum
-        buffer), alive through every step after the first. (The label is in the planned
-        step already: the planning loss reads a meta label of the same shape and dtype.)"""
+        """Bytes a training step holds beyond what ``remat3d.plan`` measures (negative: fewer).
+
+        - The optimizer state (AdamW: two moments and a step count per trainable weight;
+          SGD: one momentum buffer), alive through every step after the first.
+        - DDP: its gradient buckets, allocated once and alive through the whole step.
+        - FSDP2: parameters, gradients and optimizer state divided by the world size, plus
+          the largest unit's unsharded parameters and gradients in flight; the plan measured
+          them whole, so the difference is given back to the step.
+        (The label is in the planned step already: the planning loss reads a meta label of
+        the same shape and dtype.)
+        """
         weights = [p for p in self.model.parameters() if p.requires_grad]
         trainable = sum(p.numel() * p.element_size() for p in weights)
         if self.settings.optimizer == "adamw":
-            return 2 * trainable + 4 * len(weights)
-        return trainable
+            optimizer = 2 * trainable + 4 * len(weights)
+        else:
+            optimizer = trainable
+        if self.world.mode == "ddp":
+            return optimizer + trainable
+        if self.world.mode == "fsdp":
+            size = self.world.size
+            everything = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            units = [sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+                         for p in child.parameters()) for child in self.model.children()]
+            sharded = (everything + trainable) * (size - 1) // size
+            return optimizer // size - max(0, sharded - max(units, default=0))
+        return optimizer
 
     def make_plans(self) -> dict[Shape, Plan | None]:
+        """One verified plan per distinct input shape; distributed: made on rank 0 and
+        broadcast as plain data, so every rank applies the same plan."""
+        if not self.world.enabled:
+            return self._plan_shapes()
+        made: dict[str, Any] = {}
+        if self.world.main:
+            try:
+                made = {"plans": [(k, v.to_dict() if v else None)
+                                  for k, v in self._plan_shapes().items()]}
+            except Remat3dError as exc:
+                made = {"error": str(exc)}
+                broadcast_object(made, self.world)
+                raise
+        made = broadcast_object(made, self.world)
+        if "error" in made:
+            raise Remat3dError(f"rank 0 could not plan: {made['error']}")
+        self.plans = {tuple(k): (Plan.from_dict(v) if v else None) for k, v in made["plans"]}
+        return self.plans
+
+    def _plan_shapes(self) -> dict[Shape, Plan | None]:
         """One verified plan per distinct input shape (none if memory_budget is 'none').
 
         The budget is for the whole step: the planner gets it less :meth:`extra_bytes`, and
@@ -321,11 +389,18 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp)
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """The epoch's order, a function of (seed, epoch) only, cut into batches."""
+        """This rank's batches of the epoch. The order is a function of (seed, epoch) only;
+        each global batch holds ``world_size × batch_size`` volumes, rank r takes the r-th
+        slice (NOTE [ Distributed training ] in distributed.py); the last global batch is
+        filled up from the start of the order, as DistributedSampler does."""
         generator = torch.Generator().manual_seed(self.settings.seed * 7919 + epoch)
         order = torch.randperm(len(self.train_set), generator=generator).tolist()
-        size = self.settings.batch_size
-        return [order[i:i + size] for i in range(0, len(order), size)]
+        size, world = self.settings.batch_size, self.world.size
+        step = size * world
+        if len(order) % step:
+            order += (order * step)[: step - len(order) % step]
+        rank = self.world.rank
+        return [order[i + rank * size:i + (rank + 1) * size] for i in range(0, len(order), step)]
 
     def load_batch(self, indices: list[int], epoch: int) -> Sample:
         samples = [self.train_set.sample(i, epoch) for i in indices]
@@ -333,7 +408,7 @@ class Trainer:
         label = torch.cat([s.label for s in samples]).to(self.device)
         return Sample(",".join(s.name for s in samples), image, label, samples[0].shape)
 
-    def forward_backward(self, sample: Sample, scale: float = 1.0) -> float:
+    def forward_backward(self, sample: Sample, scale: float = 1.0, sync: bool = True) -> float:
         """One micro-batch: forward (autocast), Dice+CE in fp32, backward. Returns the loss.
 
         The first step of each input shape runs under the memory tracker (on CUDA: the
@@ -356,9 +431,13 @@ class Trainer:
             tracker.register([sample.image, sample.label], "input")
             tracker.register(state, "optimizer")
         with tracker if tracker is not None else contextlib.nullcontext():
-            loss, scaled = self._loss(sample, scale)
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            del scaled
+            # DDP all-reduces gradients in backward; between accumulated micro-batches it must
+            # not (no_sync), only at the last one
+            no_sync = getattr(self.engine, "no_sync", None)
+            with no_sync() if (no_sync is not None and not sync) else contextlib.nullcontext():
+                loss, scaled = self._loss(sample, scale)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                del scaled
         if tracker is not None:
             self.peaks[shape] = tracker.peak_bytes
             if state:
@@ -372,7 +451,7 @@ class Trainer:
         # The output is not held past the loss, as in the step the plan was verified on:
         # a live reference would keep it through backward, beyond the budget.
         with self.autocast():
-            output = self.model(sample.image)
+            output = self.engine(sample.image)
         loss = self.loss_fn(output.float(), sample.label)
         return loss.detach(), loss * scale
 
@@ -399,8 +478,19 @@ class Trainer:
             self.model.train(was_training)
         return crop_back(output.float().argmax(1)[0], sample.shape).cpu()
 
+    def sync_buffers(self) -> None:
+        """DDP: every rank takes rank 0's buffers (BatchNorm running statistics), as DDP
+        does before each forward, so validation and saved state agree across ranks."""
+        if self.world.mode != "ddp":
+            return
+        import torch.distributed as dist
+
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer, src=0)
+
     def validate(self) -> dict[str, Any]:
         """Mean foreground Dice over the validation volumes (and per class)."""
+        self.sync_buffers()
         from monai.metrics import compute_dice
         from monai.networks.utils import one_hot
 
@@ -421,29 +511,78 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
+    def _world_mean(self, value: float) -> float:
+        if not self.world.enabled:
+            return value
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total) / self.world.size
+
+    def _states(self, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Full (unsharded) model and optimizer state dicts; under FSDP2 a collective that
+        every rank must enter (rank 0 receives the full tensors, on the CPU)."""
+        if self.world.mode != "fsdp":
+            return (self.model.state_dict(),
+                    self.optimizer.state_dict() if optimizer else None)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optimizer_state = (get_optimizer_state_dict(self.model, self.optimizer, options=options)
+                           if optimizer else None)
+        return model_state, optimizer_state
+
+    def _load_states(self, state: dict[str, Any]) -> None:
+        # a state saved under FSDP2 names optimizer entries by parameter (strings), a plain
+        # one by position: each is loaded by the API that wrote it
+        by_name = any(isinstance(k, str) for k in state["optimizer"].get("state", {}))
+        if self.world.mode == "fsdp" or by_name:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, state["model"], options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=options)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
     def fit(self, *, resume: bool = False, interrupt_after: int | None = None) -> TrainResult:
         s = self.settings
         self.model.train()
-        log = _Log(self.output_dir / "log.jsonl")
+        log = _Log(self.output_dir / "log.jsonl", writes=self.world.main)
         epoch, position, step = 0, 0, 0
+        per_step = s.batch_size * self.world.size  # volumes per global batch
         if resume:
             state = load_state(self.output_dir)
             check_resumable(state["settings"], s.to_dict())
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.scaler is not None and state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
+            self._load_states(state)
             set_rng_state(state["rng"])
-            epoch, position, step = state["epoch"], state["position"], state["step"]
+            epoch, step = state["epoch"], state["step"]
+            # volumes consumed in the epoch: a resume may use another world size
+            position = state.get("volumes", state["position"]) // per_step
             log.truncate(state["log_lines"])
             self.say(f"resuming {self.output_dir} at epoch {epoch + 1}, step {step}")
         else:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            log.truncate(0)
-            import yaml
+            if self.world.main:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                import yaml
 
-            atomic_write_text(self.output_dir / "settings.yaml",
-                              yaml.safe_dump(s.to_dict(), sort_keys=False))
+                atomic_write_text(self.output_dir / "settings.yaml",
+                                  yaml.safe_dump(s.to_dict(), sort_keys=False))
+            log.truncate(0)
         self.make_plans()
         result = TrainResult(self.output_dir, epoch, step,
                              plans={k: v for k, v in self.plans.items() if v is not None})
@@ -453,12 +592,17 @@ class Trainer:
                                           if k not in ("event", "step")})
 
         def save(epoch_: int, position_: int) -> None:
-            save_state(self.output_dir, {
-                "settings": s.to_dict(), "epoch": epoch_, "position": position_, "step": step,
-                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None,
-                "rng": rng_state(), "log_lines": log.lines,
-            })
+            self.sync_buffers()
+            model_state, optimizer_state = self._states()  # collective under FSDP
+            if self.world.main:
+                save_state(self.output_dir, {
+                    "settings": s.to_dict(), "epoch": epoch_, "position": position_,
+                    "volumes": position_ * per_step, "world_size": self.world.size,
+                    "step": step, "model": model_state, "optimizer": optimizer_state,
+                    "scaler": self.scaler.state_dict() if self.scaler else None,
+                    "rng": rng_state(), "log_lines": log.lines,
+                })
+            barrier(self.world)
 
         while epoch < s.epochs:
             batches = self.batches(epoch)
@@ -470,10 +614,12 @@ class Trainer:
                 shape = tuple(sample.image.shape)
                 self.use_plan(shape)
                 started = time.perf_counter()
-                loss = self.forward_backward(sample, scale=1.0 / s.accumulate)
+                last = index == len(batches) - 1
+                loss = self.forward_backward(sample, scale=1.0 / s.accumulate,
+                                             sync=pending + 1 == s.accumulate or last)
+                loss = self._world_mean(loss)  # what the step averaged over
                 pending += 1
                 result.losses.append(loss)
-                last = index == len(batches) - 1
                 if pending == s.accumulate or last:
                     self.optimizer_step()
                     pending = 0
@@ -500,7 +646,11 @@ class Trainer:
                 self.say(f"epoch {epoch}: validation Dice {metrics['dice']:.4f}")
             save(epoch, 0)
         self.use_plan(None)
-        _save_weights(self.output_dir / "model.pt", self.model)
+        self.sync_buffers()
+        model_state, _ = self._states(optimizer=False)
+        if self.world.main:
+            _save_weights(self.output_dir / "model.pt", model_state)
+        barrier(self.world)
         result.epochs, result.steps = epoch, step
         result.peaks = dict(self.peaks)
         return result
@@ -510,16 +660,19 @@ class Trainer:
 
 
 class _Log:
-    """The JSON-lines log; on resume it is cut back to the lines the state file knew."""
+    """The JSON-lines log; on resume it is cut back to the lines the state file knew.
+    Only rank 0 writes (``writes=False`` elsewhere), every rank counts lines."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writes: bool = True) -> None:
         self.path = path
         self.lines = 0
+        self.writes = writes
 
     def truncate(self, lines: int) -> None:
         kept = self.path.read_text().splitlines()[:lines] if self.path.exists() else []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        if self.writes:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self.lines = len(kept)
 
     def records(self) -> list[dict[str, Any]]:
@@ -528,8 +681,9 @@ class _Log:
         return [json.loads(line) for line in self.path.read_text().splitlines()]
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        if self.writes:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
         self.lines += 1
 
 
@@ -540,7 +694,7 @@ def _progress(total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
                 dynamic_ncols=True)
 
 
-def _save_weights(path: Path, model: nn.Module) -> None:
+def _save_weights(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(model.state_dict(), tmp)
+    torch.save(state, tmp)
     os.replace(tmp, path)

@@ -65,6 +65,7 @@ class TrainSettings:
     seed: int = 0
     deterministic: bool = True
     device: str = "auto"                       # auto (cuda if present) | cpu | cuda
+    distributed: str = "ddp"                   # under torchrun: ddp | fsdp (FSDP2)
     output_dir: str = "runs/exp"
     save_every: int = 10                       # optimizer steps between training-state files
     val_every: int = 1                         # epochs between validations
@@ -81,6 +82,8 @@ class TrainSettings:
             raise bad("amp", self.amp, "use none, bf16 or fp16")
         if self.intensity not in ("ct", "mr", "none"):
             raise bad("intensity", self.intensity, "use ct, mr or none")
+        if self.distributed not in ("ddp", "fsdp"):
+            raise bad("distributed", self.distributed, "use ddp or fsdp")
         if self.optimizer not in ("adamw", "sgd"):
             raise bad("optimizer", self.optimizer, "use adamw or sgd")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -30,8 +30,10 @@ __all__ = ["RESUMABLE_CHANGES", "check_resumable", "load_state", "rng_state", "s
 
 STATE_FILE = "state.pt"
 # settings that may differ between the interrupted run and its resume
+# settings that may differ between the interrupted run and its resume (ddp and fsdp compute
+# the same steps; the world size itself is not a setting: see train/distributed.py)
 RESUMABLE_CHANGES = frozenset({"epochs", "save_every", "val_every", "progress", "output_dir",
-                               "device", "cache"})
+                               "device", "cache", "distributed"})
 
 
 def rng_state() -> dict[str, Any]:

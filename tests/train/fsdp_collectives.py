@@ -1,0 +1,46 @@
+"""Run under torchrun: count FSDP2's all-gathers in one training step without and with a
+recompute plan (the plan must not add any). Prints one JSON line on rank 0."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat3d.train import load_settings
+from remat3d.train.loop import Trainer, _deterministic
+
+
+class CountCollectives(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.all_gathers = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if "all_gather" in func.__name__ or "allgather" in func.__name__:
+            self.all_gathers += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(config: str, budget: str) -> tuple[int, int]:
+    settings = load_settings(config, [f"--memory_budget={budget}", "--distributed=fsdp",
+                                      "--output_dir=/tmp/unused"])
+    with _deterministic(settings):
+        trainer = Trainer(settings)
+        sample = trainer.load_batch(trainer.batches(0)[0], 0)
+        shape = tuple(sample.image.shape)
+        trainer.use_plan(shape)
+        regions = len(trainer.plans[shape].regions) if trainer.plans.get(shape) else 0
+        with CountCollectives() as counter:
+            trainer.forward_backward(sample)
+        return counter.all_gathers, regions
+
+
+if __name__ == "__main__":
+    plain, _ = count(sys.argv[1], "none")
+    planned, regions = count(sys.argv[1], "0.8x")
+    if dist.get_rank() == 0:
+        print(json.dumps({"plain": plain, "planned": planned, "regions": regions}))
+    dist.destroy_process_group()

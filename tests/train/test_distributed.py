@@ -1,0 +1,94 @@
+"""torchrun with 2 CPU processes (gloo): DDP and FSDP2 steps equal one process accumulating
+the same two volumes, bit for bit; FSDP2 recomputation adds no all-gather; a run saved with
+2 processes resumes with 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.data.volumes import write_dataset
+
+UNET = {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1, "out_channels": 3,
+        "norm": "instance"}  # no BatchNorm: DDP keeps rank 0's running statistics (NOTE)
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    write_dataset(root / "data", cases=4, validation=1, shape=(20, 20, 16))
+    config = root / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "unet", "model_kwargs": UNET, "data": "data/dataset.json", "epochs": 2,
+        "memory_budget": "0.8x", "strategy": "blocks", "progress": False, "seed": 3}))
+    single = run(root, [sys.executable, "-m", "remat3d"], config, "single", "--accumulate=2")
+    return root, config, single
+
+
+def run(root, launcher, config, name, *extra):
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*launcher, "train", str(config), f"--output_dir={root / name}",
+                             *extra], env=env, capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root / name
+
+
+def torchrun(processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={processes}", "-m", "remat3d"]
+
+
+def step_losses(folder):
+    return [r["loss"] for r in map(json.loads, (folder / "log.jsonl").read_text().splitlines())
+            if r["event"] == "step"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_equal_one_accumulating_process(setup, mode):
+    root, config, single = setup
+    out = run(root, torchrun(), config, mode, f"--distributed={mode}")
+    a = torch.load(single / "model.pt", weights_only=True)
+    b = torch.load(out / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # each logged step is the mean over both ranks = the mean of the two micro-batches
+    one = step_losses(single)
+    assert step_losses(out) == [(one[i] + one[i + 1]) / 2 for i in range(0, len(one), 2)]
+    state = torch.load(out / "state.pt", weights_only=True)
+    assert state["world_size"] == 2 and state["step"] == 4
+    assert not (out / "log.jsonl.tmp").exists()
+
+
+def test_resume_with_another_world_size(setup):
+    root, config, _ = setup
+    out = run(root, torchrun(), config, "resize", "--distributed=fsdp", "--epochs=1")
+    saved = torch.load(out / "state.pt", weights_only=True)
+    assert saved["epoch"] == 1 and saved["step"] == 2
+    run(root, [sys.executable, "-m", "remat3d"], config, "resize", "--epochs=2", "--resume")
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["epoch"] for r in steps] == [1, 1, 2, 2, 2, 2]  # 2 global steps, then 4 alone
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+
+
+def test_fsdp_recomputation_adds_no_all_gather(setup):
+    root, config, _ = setup
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(HERE / "fsdp_collectives.py"), str(config)],
+        env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert counts["regions"] > 0 and counts["plain"] > 0
+    assert counts["planned"] == counts["plain"]
