@@ -18,7 +18,7 @@ class CountCollectives(TorchDispatchMode):
         super().__init__()
         self.all_gathers = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if "all_gather" in func.__name__ or "allgather" in func.__name__:
             self.all_gathers += 1
         return func(*args, **(kwargs or {}))
