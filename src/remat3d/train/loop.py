@@ -606,8 +606,8 @@ class Trainer:
 
         while epoch < s.epochs:
             batches = self.batches(epoch)
-            bar = _progress(len(batches), f"epoch {epoch + 1}/{s.epochs}", s.progress,
-                            initial=position)
+            bar = _progress(len(batches), f"epoch {epoch + 1}/{s.epochs}",
+                            s.progress and self.world.main, initial=position)
             pending = 0  # micro-batches accumulated since the last optimizer step
             for index in range(position, len(batches)):
                 sample = self.load_batch(batches[index], epoch)
