@@ -25,7 +25,7 @@ UNET = {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1, "out_chan
 def config(tmp_path, **values):
     settings = {"model": "unet", "model_kwargs": UNET, "data": "data/dataset.json",
                 "epochs": 1, "memory_budget": "0.8x", "strategy": "blocks",
-                "output_dir": "run", "progress": False, **values}
+                "output_dir": str(tmp_path / "run"), "progress": False, **values}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(settings))
     return path
@@ -107,6 +107,7 @@ def test_bad_settings_are_one_line(data, extra, message):
     result = runner.invoke(app, ["train", str(config(data)), *extra])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
+    assert not (data / "run").exists()  # nothing written for a run that cannot start
     assert message in " ".join(result.output.split()), result.output
 
 

@@ -565,6 +565,7 @@ class Trainer:
         log = _Log(self.output_dir / "log.jsonl", writes=self.world.main)
         epoch, position, step = 0, 0, 0
         per_step = s.batch_size * self.world.size  # volumes per global batch
+        self.make_plans()  # before anything is written: an infeasible budget leaves no files
         if resume:
             state = load_state(self.output_dir)
             check_resumable(state["settings"], s.to_dict())
@@ -583,7 +584,6 @@ class Trainer:
                 atomic_write_text(self.output_dir / "settings.yaml",
                                   yaml.safe_dump(s.to_dict(), sort_keys=False))
             log.truncate(0)
-        self.make_plans()
         result = TrainResult(self.output_dir, epoch, step,
                              plans={k: v for k, v in self.plans.items() if v is not None})
         for record in log.records():  # a resumed run reports the validations it kept
