@@ -64,6 +64,7 @@ class StageSpec:
     flops: list[int]          # untiled forward FLOPs of each op (convolutions)
     norms: list[int]          # op index of each normalisation with batch statistics
     no_grad_inputs: tuple[int, ...] = ()   # input nodes that need no gradient
+    outputs: tuple[int, ...] = ()          # all outputs, when the run returns several
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,9 @@ def tiled_cost(spec: StageSpec, tile: Sequence[int]) -> TileCost:
     fwd = bwd = 0
     tile_peak = 0
     for t in tiles:
-        targets: dict[int, Region] = {spec.output: t}
+        targets: dict[int, Region] = {
+            node: owned_region(t, out_size, spec.sizes[node])
+            for node in (spec.outputs or (spec.output,))}
         for node in norm_nodes:
             targets[node] = union(targets.get(node),
                                   owned_region(t, out_size, spec.sizes[node]))
@@ -141,6 +144,6 @@ def describe(fn: Callable[..., Any], *inputs: Any) -> StageSpec:
     tr = trace(fn, inputs)
     no_grad = tuple(n for n, x in zip(tr.inputs, inputs) if not x.requires_grad)
     return StageSpec(ops=tr.spatial_ops, sizes=dict(tr.sizes), inputs=list(tr.inputs),
-                     output=tr.output, voxel_bytes=dict(tr.voxel_bytes),
+                     output=tr.outputs[0], voxel_bytes=dict(tr.voxel_bytes),
                      flops=[op.flops for op in tr.ops], norms=list(tr.norms),
-                     no_grad_inputs=no_grad)
+                     no_grad_inputs=no_grad, outputs=tuple(tr.outputs))

@@ -18,6 +18,7 @@ import argparse
 import copy
 import time
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ __all__ = ["exactness_rows", "memory_rows", "nnunet_whole_volume_forward"]
 GiB = 2**30
 
 
-def nnunet_whole_volume_forward(model: nn.Module, tile: int, keep_skip: bool = False,
+def nnunet_whole_volume_forward(model: nn.Module, tile: int, skip: str = "output",
                                 checkpoint_inner: bool = True) -> None:
     """Make a DynUNet (``nnunet`` preset) run its two outer levels tiled (by hand).
 
@@ -36,12 +37,17 @@ def nnunet_whole_volume_forward(model: nn.Module, tile: int, keep_skip: bool = F
     use ``tile // 2`` (tile sizes are in output coordinates). The decoder's top stage and
     the 1x1 head are one tiled run, so the top stage's 32-channel output is never stored.
 
-    - ``keep_skip=False``: ``x -> input_block -> downsamples[0]`` is one tiled run, so the
-      full-resolution skip connection is never stored; the decoder's top run recomputes it
-      from ``x``: ``(u, x) -> output_block(upsamples[-1](u, input_block(x)))``. Least
-      memory; 4 normalisations per run, so more passes.
-    - ``keep_skip=True``: ``input_block`` and ``downsamples[0]`` are separate tiled runs and
-      the skip (32 channels at full resolution) is kept: 2 normalisations per run.
+    - ``skip="output"``: ``x -> (skip, downsamples[0](skip))`` with ``skip =
+      input_block(x)`` is one tiled run with two outputs; the skip (32 channels at full
+      resolution) is kept for the decoder, and no full-resolution input gradient is ever
+      allocated (``x`` needs none).
+    - ``skip="recompute"``: ``x -> downsamples[0](input_block(x))`` is one tiled run, so
+      the skip is never stored; the decoder's top run recomputes it from ``x``:
+      ``(u, x) -> output_block(upsamples[-1](u, input_block(x)))``. Least memory; 4
+      normalisations in that run, so more passes.
+    - ``skip="separate"``: ``input_block`` and ``downsamples[0]`` are two tiled runs and
+      the skip is kept; the second run's full-resolution input gradient is added to the
+      decoder's by autograd (two 32-channel full-resolution gradients at once).
 
     ``upsamples[-2]`` (half resolution) is tiled too, and the levels below are one
     recompute region when ``checkpoint_inner``. Installed as an instance ``forward``;
@@ -55,8 +61,15 @@ def nnunet_whole_volume_forward(model: nn.Module, tile: int, keep_skip: bool = F
     head: Any = model.output_block
     half = max(tile // 2, 1)
 
+    if skip not in ("output", "recompute", "separate"):
+        raise ValueError(f"skip must be 'output', 'recompute' or 'separate', got {skip!r}")
+
     def encoder(x: torch.Tensor) -> torch.Tensor:
         return second.downsample(top.downsample(x))
+
+    def encoder_with_skip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s0 = top.downsample(x)
+        return s0, second.downsample(s0)
 
     def decoder_from_input(u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return head(top.upsample(u, top.downsample(x)))
@@ -65,34 +78,39 @@ def nnunet_whole_volume_forward(model: nn.Module, tile: int, keep_skip: bool = F
         return head(top.upsample(u, skip))
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if keep_skip:
-            skip = run_tiled(top.downsample, x, tile=tile)
-            s1 = run_tiled(second.downsample, skip, tile=half)
+        if skip == "output":
+            s0, s1 = run_tiled(encoder_with_skip, x, tile=tile)
+        elif skip == "separate":
+            s0 = run_tiled(top.downsample, x, tile=tile)
+            s1 = run_tiled(second.downsample, s0, tile=half)
         else:
             s1 = run_tiled(encoder, x, tile=half)
         inner = checkpoint(second.next_layer, s1) if checkpoint_inner else second.next_layer(s1)
         u = run_tiled(second.upsample, inner, s1, tile=half)
-        if keep_skip:
-            return run_tiled(decoder, u, skip, tile=tile)
-        return run_tiled(decoder_from_input, u, x, tile=tile)
+        if skip == "recompute":
+            return run_tiled(decoder_from_input, u, x, tile=tile)
+        return run_tiled(decoder, u, s0, tile=tile)
 
     object.__setattr__(model, "forward", types.MethodType(forward, model))
 
 
-def memory_rows(size: int, tile: int) -> list[dict[str, Any]]:
+SETUPS = ("untiled", "full-resolution modules tiled", "outer two levels tiled, skip separate",
+          "outer two levels tiled, skip output", "outer two levels tiled, skip recompute")
+
+
+def memory_rows(size: int, tile: int, setups: Sequence[str] = SETUPS) -> list[dict[str, Any]]:
     import remat3d
     from remat3d import zoo
     from remat3d.nn.tiling.presets import full_resolution_plan
 
     x = torch.empty(1, 1, size, size, size, device="meta")
     rows = []
-    for label in ("untiled", "full-resolution modules tiled",
-                  "outer two levels tiled, skip kept", "outer two levels tiled, skip recomputed"):
+    for label in setups:
         model = zoo.build_model("nnunet", device="meta")
         if label.startswith("full"):
             remat3d.apply(model, full_resolution_plan("nnunet", tile))
         elif label.startswith("outer"):
-            nnunet_whole_volume_forward(model, tile, keep_skip=label.endswith("kept"))
+            nnunet_whole_volume_forward(model, tile, skip=label.rsplit(" ", 1)[1])
         start = time.perf_counter()
         m = remat3d.measure(model, x, device="meta", amp="bf16")
         rows.append({"setup": label, "peak_bytes": m.peak_bytes, "flops": m.flops,
@@ -191,6 +209,8 @@ def main() -> None:
     parser.add_argument("--exactness", action="store_true")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--tile", type=int, default=128)
+    parser.add_argument("--setups", default=",".join(SETUPS),
+                        help="comma-separated; the first is the FLOP reference")
     args = parser.parse_args()
     if args.exactness:
         print("| preset | volume | tile | fp32: output / worst grad / buffers | "
@@ -204,7 +224,7 @@ def main() -> None:
                   f"{floor['output']:.1e} / {floor['grads']:.1e} | "
                   f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
                   flush=True)
-    rows = memory_rows(args.size, args.tile)
+    rows = memory_rows(args.size, args.tile, args.setups.split(","))
     base = rows[0]
     print(f"\nnnunet {args.size}³, bf16 autocast, meta, tile {args.tile}³")
     print("| setup | step peak | saved at end of forward | FLOPs | vs untiled |")

@@ -58,7 +58,11 @@ def _tile_size(tile: TileSize) -> tuple[int, int, int]:
 
 
 class TiledRun:
-    """A traced run and its per-tile plans: what every tile computes at every node."""
+    """A traced run and its per-tile plans: what every tile computes at every node.
+
+    Tiles cover the first output's volume; every other output (a skip connection leaving
+    the run at another resolution, say) is split by the same boundaries, scaled.
+    """
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
                  tile: TileSize) -> None:
@@ -67,37 +71,42 @@ class TiledRun:
             self.trace: Trace = trace(fn, inputs)
         self.tile = _tile_size(tile)
         tr = self.trace
-        out_size = tr.sizes[tr.output]
+        out_size = tr.sizes[tr.outputs[0]]
         self.tiles: list[Region] = tile_grid(out_size, self.tile)
         self.plans: list[dict[int, Region]] = []
         self.owned: list[dict[int, Region]] = []
+        self.out_owned: list[list[Region]] = []   # per tile: the part of each output it writes
         for t in self.tiles:
             owned = {j: owned_region(t, out_size, tr.sizes[tr.ops[i].spatial.inputs[0]])
                      for j, i in enumerate(tr.norms)}
-            targets = {tr.output: t}
+            outs = [owned_region(t, out_size, tr.sizes[node]) for node in tr.outputs]
+            targets: dict[int, Region] = {}
+            for node, region in zip(tr.outputs, outs):
+                targets[node] = region
             for j, i in enumerate(tr.norms):  # the owned part of every norm is computed
                 node = tr.ops[i].spatial.output
                 targets[node] = union(targets.get(node), owned[j])
             self.plans.append(needed_regions(tr.spatial_ops, tr.sizes, targets))
             self.owned.append(owned)
-        for plan in self.plans:
-            for op in tr.ops:
-                if op.spatial.output not in plan:
-                    raise TilingError(
-                        f"The result of {op.name} in module '{op.module}' is not used by the "
-                        "run's output; a tiled run must be a single computation ending in "
-                        "its returned tensor.")
+            self.out_owned.append(outs)
+        used = set().union(*(plan.keys() for plan in self.plans))
+        for op in tr.ops:
+            if op.spatial.output not in used:
+                raise TilingError(
+                    f"The result of {op.name} in module '{op.module}' is not used by the "
+                    "run's outputs; a tiled run must be one computation ending in the "
+                    "tensors it returns.")
         self.stats = [Stats(tr.ops[i].norm) for i in tr.norms]  # type: ignore[arg-type]
 
     # -- one tile ---------------------------------------------------------------------
     def run_tile(self, k: int, inputs: Sequence[torch.Tensor], *, stop_at: int | None = None,
                  capture: int | None = None, grad_inputs: Sequence[bool] | None = None
-                 ) -> tuple[torch.Tensor | None, list[torch.Tensor], TileMode]:
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor], TileMode]:
         plan = self.plans[k]
         local = []
         for i, (x, node) in enumerate(zip(inputs, self.trace.inputs)):
             full = tuple((0, n) for n in x.shape[2:])
-            region = plan.get(node, full)
+            region = plan.get(node, ((0, 1),) * 3)  # an input this tile does not read
             xt = crop(x, full, region)
             if grad_inputs is not None:
                 xt = xt.detach().requires_grad_(grad_inputs[i])
@@ -109,13 +118,16 @@ class TiledRun:
                 y = self.fn(*local)
         except StopPass:
             return None, local, mode
-        if not isinstance(y, torch.Tensor) or getattr(y, REGION, None) is None:
-            raise TilingError("A tile of the run returned something else than a tensor "
-                              "computed from its inputs.")
-        return crop(y, region_of(y), self.tiles[k]), local, mode
+        ys = list(y) if isinstance(y, (tuple, list)) else [y]
+        if len(ys) != len(self.trace.outputs) or any(
+                not isinstance(t, torch.Tensor) or getattr(t, REGION, None) is None for t in ys):
+            raise TilingError("A tile of the run returned something else than its trace did "
+                              "(tensors computed from its inputs).")
+        return [crop(t, region_of(t), want) for t, want in zip(ys, self.out_owned[k])], \
+            local, mode
 
     # -- forward (NOTE rule 1) ----------------------------------------------------------
-    def forward(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         tr = self.trace
         for stats in self.stats:
             stats.__init__(stats.spec)  # type: ignore[misc]
@@ -125,15 +137,17 @@ class TiledRun:
                     with _restoring_buffers(), recomputing():
                         self.run_tile(k, inputs, stop_at=j)
                 self.stats[j].finish()
-            out = inputs[0].new_empty(tr.out_shape, dtype=tr.out_dtype)
-            for k, region in enumerate(self.tiles):
+            outs = [inputs[0].new_empty(shape, dtype=dtype)
+                    for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
+            for k in range(len(self.tiles)):
                 last = k == len(self.tiles) - 1
                 with contextlib.nullcontext() if last else _restoring_buffers():
-                    y, _, _ = self.run_tile(k, inputs)
-                assert y is not None
-                crop(out, tuple((0, n) for n in out.shape[2:]), region).copy_(y)
+                    ys, _, _ = self.run_tile(k, inputs)
+                assert ys is not None
+                for out, y, region in zip(outs, ys, self.out_owned[k]):
+                    crop(out, _whole(out), region).copy_(y)
             self._update_running()
-        return out
+        return outs
 
     def _update_running(self) -> None:
         for stats in self.stats:
@@ -149,22 +163,31 @@ class TiledRun:
             stats.running = None
 
     # -- backward (NOTE rules 2 and 3) --------------------------------------------------
-    def backward(self, inputs: Sequence[torch.Tensor], dy: torch.Tensor,
+    def _seeded(self, k: int, ys: list[torch.Tensor], dys: Sequence[torch.Tensor | None]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This tile's outputs that have a gradient, and their gradients' matching parts."""
+        pairs = [(y, crop(dy, _whole(dy), region))
+                 for y, dy, region in zip(ys, dys, self.out_owned[k])
+                 if dy is not None and y.requires_grad and y.numel()]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def backward(self, inputs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor | None],
                  needs: Sequence[bool]) -> tuple[list[torch.Tensor | None],
                                                  list[torch.Tensor | None]]:
         params = [p for p in self.trace.params if p.requires_grad]
-        full_out = tuple((0, n) for n in dy.shape[2:])
         for j in reversed(range(len(self.stats))):
             stats = self.stats[j]
             sum_g: torch.Tensor | None = None
             sum_gx: torch.Tensor | None = None
-            for k, region in enumerate(self.tiles):
-                y, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs)
+            for k in range(len(self.tiles)):
+                ys, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs)
                 xhat = mode.captured
-                if y is None or xhat is None or not xhat.requires_grad:
+                if ys is None or xhat is None or not xhat.requires_grad:
                     continue
-                (g,) = torch.autograd.grad(y, xhat, crop(dy, full_out, region),
-                                           allow_unused=True)
+                outs, seeds = self._seeded(k, ys, dys)
+                if not outs:
+                    continue
+                (g,) = torch.autograd.grad(outs, xhat, seeds, allow_unused=True)
                 if g is None:
                     continue
                 dims = stats.dims()
@@ -173,33 +196,37 @@ class TiledRun:
                 sum_g = gs if sum_g is None else sum_g + gs
                 sum_gx = gx if sum_gx is None else sum_gx + gx
             if sum_g is None or sum_gx is None:
-                zero = torch.zeros((), dtype=torch.float64, device=dy.device)
+                zero = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
                 stats.sums = (zero, zero)
             else:
                 stats.sums = (sum_g, sum_gx)
         dx: list[torch.Tensor | None] = [torch.zeros_like(x) if need else None
                                          for x, need in zip(inputs, needs)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
-        for k, region in enumerate(self.tiles):
-            y, local, _ = self.run_tile(k, inputs, grad_inputs=needs)
-            assert y is not None
+        for k in range(len(self.tiles)):
+            ys, local, _ = self.run_tile(k, inputs, grad_inputs=needs)
+            assert ys is not None
+            outs, seeds = self._seeded(k, ys, dys)
             wrt = [x for x, need in zip(local, needs) if need] + params
-            if not y.requires_grad or not wrt:
+            if not outs or not wrt:
                 continue
-            grads = torch.autograd.grad(y, wrt, crop(dy, full_out, region), allow_unused=True)
+            grads = torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
             it = iter(grads)
             for i, need in enumerate(needs):
                 if need:
                     g = next(it)
                     target = dx[i]
                     if g is not None and target is not None:
-                        full = tuple((0, n) for n in target.shape[2:])
-                        crop(target, full, region_of(local[i])).add_(g)
+                        crop(target, _whole(target), region_of(local[i])).add_(g)
             for i, g in enumerate(it):
                 if g is not None:
                     previous = dparams[i]
                     dparams[i] = g if previous is None else previous.add_(g)
         return dx, dparams
+
+
+def _whole(t: torch.Tensor) -> Region:
+    return tuple((0, n) for n in t.shape[2:])
 
 
 @contextlib.contextmanager
@@ -214,27 +241,29 @@ class _TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, run: TiledRun, n_inputs: int,  # type: ignore[override]
-                *tensors: torch.Tensor) -> torch.Tensor:
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         ctx.run = run
         ctx.n_inputs = n_inputs
         ctx.amp = AmpState.capture(inputs[0].device)
+        ctx.set_materialize_grads(False)  # an output without gradient costs nothing
         ctx.save_for_backward(*inputs)
-        return run.forward([x.detach() for x in inputs])
+        return tuple(run.forward([x.detach() for x in inputs]))
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         inputs = ctx.saved_tensors
         needs = list(ctx.needs_input_grad[2:2 + ctx.n_inputs])
         run: TiledRun = ctx.run
+        if all(dy is None for dy in dys):
+            return (None,) * len(ctx.needs_input_grad)
         with torch.enable_grad(), recomputing(), ctx.amp.restore(), _restoring_buffers():
-            dx, dparams = run.backward(inputs, dy, needs)
+            dx, dparams = run.backward(inputs, dys, needs)
         return (None, None, *dx, *dparams)
 
 
-def tile(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
-         tile: TileSize = 64) -> torch.Tensor:
+def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -242,7 +271,9 @@ def tile(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
     convolutions, max/avg pooling, nearest/trilinear upsampling by integer factors,
     pointwise ops, concatenation over channels, residual additions, and Instance/Group/
     BatchNorm (whole-volume statistics, gathered over tiles). ``tile`` is the output tile
-    edge (one int, or D, H, W); it need not divide the volume.
+    edge (one int, or D, H, W); it need not divide the volume. ``fn`` may return a tuple
+    of tensors (e.g. a skip connection and a downsampled map): tiles are laid on the
+    first one's volume and the others are split by the same, scaled boundaries.
 
     Forward keeps only ``inputs``; backward recomputes tile by tile (NOTE [ Tiled
     backward ]). Outputs and gradients equal ``fn(*inputs)``'s up to rounding order.
@@ -261,6 +292,7 @@ def tile(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
                                                or bool(params))
     if not needs_graph:
         with torch.no_grad():
-            return run.forward(list(inputs))
-    out: torch.Tensor = _TiledFunction.apply(run, len(inputs), *inputs, *params)
-    return out
+            outs = tuple(run.forward(list(inputs)))
+    else:
+        outs = _TiledFunction.apply(run, len(inputs), *inputs, *params)
+    return outs if run.trace.returns_tuple else outs[0]

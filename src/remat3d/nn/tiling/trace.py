@@ -142,17 +142,18 @@ class TracedOp:
 
 @dataclass
 class Trace:
-    """A run, recorded: ops in execution order, node sizes, its inputs, output, parameters."""
+    """A run, recorded: ops in execution order, node sizes, its inputs, outputs, parameters."""
 
     ops: list[TracedOp]
     inputs: list[int]
-    output: int
+    outputs: list[int]       # the first output's grid defines the tiles
     sizes: dict[int, tuple[int, ...]]
-    out_shape: tuple[int, ...]
-    out_dtype: torch.dtype
+    out_shapes: list[tuple[int, ...]]
+    out_dtypes: list[torch.dtype]
     params: list[torch.Tensor]
     norms: list[int] = field(default_factory=list)   # op index of each norm with statistics
     voxel_bytes: dict[int, int] = field(default_factory=dict)
+    returns_tuple: bool = False
 
     @property
     def spatial_ops(self) -> list[SpatialOp]:
@@ -370,16 +371,22 @@ def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Trace:
         nodes = [recorder.new_node(f) for f in fakes]
         with modules, BufferGuard(modules), fake_mode, recorder:
             out = fn(*fakes)
-    if not isinstance(out, torch.Tensor) or getattr(out, _NODE, None) is None:
-        raise TilingError(f"A tiled run must return one spatial tensor computed from its "
-                          f"inputs; got {type(out).__name__}.")
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    if not outs or any(not isinstance(o, torch.Tensor) or getattr(o, _NODE, None) is None
+                       for o in outs):
+        raise TilingError(f"A tiled run must return spatial tensors computed from its "
+                          f"inputs (one, or a tuple); got {type(out).__name__}.")
+    nodes_out = [getattr(o, _NODE) for o in outs]
+    if len(set(nodes_out)) != len(nodes_out) or set(nodes_out) & set(nodes):
+        raise TilingError("A tiled run must return distinct tensors that it computed, not "
+                          "its inputs or the same tensor twice.")
     ops = recorder.ops
     norms: list[int] = []
     for i, op in enumerate(ops):
         if op.norm is not None:
             op.norm_index = len(norms)
             norms.append(i)
-    return Trace(ops=ops, inputs=nodes, output=getattr(out, _NODE),
-                 sizes=recorder.sizes, out_shape=tuple(out.shape), out_dtype=out.dtype,
+    return Trace(ops=ops, inputs=nodes, outputs=nodes_out, sizes=recorder.sizes,
+                 out_shapes=[tuple(o.shape) for o in outs], out_dtypes=[o.dtype for o in outs],
                  params=list(recorder.params.values()), norms=norms,
-                 voxel_bytes=recorder.voxel_bytes)
+                 voxel_bytes=recorder.voxel_bytes, returns_tuple=isinstance(out, (tuple, list)))
