@@ -209,8 +209,8 @@ def main() -> None:
     parser.add_argument("--exactness", action="store_true")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--tile", type=int, default=128)
-    parser.add_argument("--setups", default=",".join(SETUPS),
-                        help="comma-separated; the first is the FLOP reference")
+    parser.add_argument("--setups", default=";".join(SETUPS),
+                        help="separated by ;, the first is the FLOP reference")
     args = parser.parse_args()
     if args.exactness:
         print("| preset | volume | tile | fp32: output / worst grad / buffers | "
@@ -224,7 +224,7 @@ def main() -> None:
                   f"{floor['output']:.1e} / {floor['grads']:.1e} | "
                   f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
                   flush=True)
-    rows = memory_rows(args.size, args.tile, args.setups.split(","))
+    rows = memory_rows(args.size, args.tile, args.setups.split(";"))
     base = rows[0]
     print(f"\nnnunet {args.size}³, bf16 autocast, meta, tile {args.tile}³")
     print("| setup | step peak | saved at end of forward | FLOPs | vs untiled |")
