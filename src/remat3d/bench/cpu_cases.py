@@ -127,14 +127,24 @@ def _contenders(run: CaseRun, suite: Suite, reference: nn.Module) -> list[_Conte
     return out
 
 
-def _compare(contenders: list[_Contender], x: torch.Tensor) -> None:
-    """Gradients and buffers of one step of each method against the unplanned one."""
+def _compare(run: CaseRun, contenders: list[_Contender], x: torch.Tensor) -> None:
+    """Gradients and buffers of one step of each method against the unplanned one.
+
+    A method whose step fails is recorded as an error (its message is the finding, e.g.
+    an in-place op that breaks torch's checkpoint) and removed from the contenders.
+    """
     _, base_grads = _step(contenders[0], x)
     base_buffers = _buffers(contenders[0].model)
-    for c in contenders:
+    for c in list(contenders):
         start_buffers = _buffers(c.model)
         if c is not contenders[0]:
-            _, grads = _step(c, x)
+            try:
+                _, grads = _step(c, x)
+            except RuntimeError as exc:
+                contenders.remove(c)
+                run.add(c.method, c.setting, status="error",
+                        note=f"the training step failed: {str(exc)[:300]}")
+                continue
             c.values["grads_equal"] = _equal(grads, base_grads)
             c.values["buffers_equal"] = _equal(_buffers(c.model), base_buffers)
         else:
@@ -154,7 +164,7 @@ def run_cpu_case(run: CaseRun, suite: Suite) -> None:
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # bitwise comparison needs repeatable kernels
     try:
-        _compare(contenders, x)
+        _compare(run, contenders, x)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     for c in contenders:  # the tracker's peak of a real CPU step (compile: measured above)

@@ -181,9 +181,9 @@ def _compile_records(run: CaseRun, budgets: tuple[float, ...]) -> list[Record]:
             run.add("compile", f"memory_budget={b}", status="error",
                     note=f"{type(exc).__name__}: {str(exc)[:300]}")
             continue
-        graphs = f"; {step.graphs} graphs" if step.graphs != 1 else ""
+        parts = ["aot_eager", note, f"{step.graphs} graphs" if step.graphs != 1 else ""]
         out.append(run.add("compile", f"memory_budget={b}", peak_bytes=step.peak_bytes,
                            saved_bytes=step.saved_bytes, flops=step.flops,
                            plan_seconds=time.perf_counter() - start,
-                           note=("aot_eager; " + note + graphs).strip("; ")))
+                           note="; ".join(p for p in parts if p)))
     return out
