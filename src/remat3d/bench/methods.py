@@ -14,7 +14,6 @@ Names (the ``method`` field of a record):
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from remat3d import zoo
 from remat3d.errors import BudgetError, Remat3dError
 from remat3d.planning import plan
 from remat3d.planspec import Plan
-from remat3d.runtime.apply import apply, model_fingerprint
+from remat3d.runtime.apply import model_fingerprint
 
 __all__ = [
     "Planned",
@@ -38,7 +37,6 @@ __all__ = [
     "smallest_feasible",
 ]
 
-log = logging.getLogger(__name__)
 _SMALLEST = re.compile(r"smallest feasible budget is [^(]*\((\d+) bytes\)")
 
 
@@ -112,7 +110,3 @@ def _search_smallest(net: nn.Module, shape: tuple[int, ...], amp: str | None,
         return int(found.group(1)), time.perf_counter() - start
     raise Remat3dError("remat3d.plan accepted a budget of 1 byte; cannot find the smallest.")
 
-
-def applied(net: nn.Module, result: Plan) -> nn.Module:
-    """``net`` with the plan installed (the same object)."""
-    return apply(net, result)
