@@ -6,7 +6,8 @@ For each method a copy of one CPU model (same weights) gets the method installed
   buffer compared with the unplanned step's, bitwise (``torch.equal``);
 - *memory*: the tracker's peak of that step on CPU (what the allocator sees at op
   boundaries: ``docs/tracker.md``);
-- *time*: ``repeats`` rounds after one warm-up round; each round runs every method once,
+- *time*: ``repeats`` rounds (more for short steps: at least ``MIN_SECONDS`` of
+  unplanned steps, at most ``MAX_ROUNDS``) after one warm-up round; each round runs every method once,
   in turn (interleaved, so a slow spell of a shared machine hits every method alike);
   ``step_time_ratio`` is the median over rounds of (method seconds / unplanned seconds).
   Each round starts one method later than the one before (allocator and cache state
@@ -22,6 +23,7 @@ import contextlib
 import copy
 import functools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -42,7 +44,10 @@ from remat3d.measurement import measure
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
 
-__all__ = ["run_cpu_case"]
+__all__ = ["MAX_ROUNDS", "MIN_SECONDS", "run_cpu_case"]
+
+MIN_SECONDS = 5.0  # timed unplanned seconds per case, at least (noise of a shared machine)
+MAX_ROUNDS = 60
 
 log = logging.getLogger(__name__)
 
@@ -174,12 +179,16 @@ def run_cpu_case(run: CaseRun, suite: Suite) -> None:
     run.base_flops = contenders[0].values["flops"]
 
     n = len(contenders)
-    for r in range(suite.repeats + 1):  # round 0 warms up
+    rounds, r = suite.repeats, 0
+    while r <= rounds:  # round 0 warms up
         for i in range(n):  # each round starts one method later: no method is always first
             c = contenders[(r + i) % n]
             seconds, _ = _step(c, x)
             if r:
                 c.seconds.append(seconds)
+            elif c is contenders[0]:  # short steps get more rounds (MIN_SECONDS)
+                rounds = max(rounds, min(MAX_ROUNDS, math.ceil(MIN_SECONDS / max(seconds, 1e-3))))
+        r += 1
     for c in contenders:
         ratios = [s / b for s, b in zip(c.seconds, contenders[0].seconds)]
         run.add(c.method, c.setting, step_seconds=statistics.median(c.seconds),
