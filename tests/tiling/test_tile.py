@@ -171,13 +171,22 @@ def test_dropout_refused_unless_inactive() -> None:
 @pytest.mark.parametrize(("fn", "match"), [
     (lambda x: torch.flip(x, dims=[2]), "spatial"),
     (lambda x: x - x.mean(dim=(2, 3, 4), keepdim=True), "shape"),
-    (lambda x: F.pad(x, (1, 1, 1, 1, 1, 1)), "pad"),
+    (lambda x: F.pad(x, (1, 1, 1, 1, 1, 1)), "padding by"),
     (lambda x: F.interpolate(x, scale_factor=2, mode="trilinear", align_corners=True),
      "align_corners"),
 ])
 def test_non_local_ops_refused(fn, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(TilingError, match=match):
         tile(fn, _x(1, 1, 6, 6, 6), tile=3)
+
+
+def test_zero_padding_is_identity() -> None:
+    conv = nn.Conv3d(1, 2, 3, padding=1)
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # BasicUNet's UpCat pads by 0 this way
+        return F.pad(conv(x), [0] * 6, "replicate")
+
+    _assert_exact(run, [_x(1, 1, 7, 6, 5)], 3, params=list(conv.parameters()))
 
 
 def test_bad_tile_size_and_inputs() -> None:

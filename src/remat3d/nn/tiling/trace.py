@@ -243,6 +243,13 @@ class _Recorder(TorchFunctionMode):
             if t.dim() != 5:
                 raise self.fail(name, f"a tensor of the run has {t.dim()} dims",
                                 "Tiled runs take 5-D tensors (N, C, D, H, W).")
+        if name == "pad":
+            amounts = kwargs.get("pad", args[1] if len(args) > 1 else ())
+            if all(int(p) == 0 for p in amounts):  # BasicUNet pads by 0 when sizes agree
+                return "generic", {}
+            raise self.fail(name, f"padding by {list(amounts)} inside the run changes "
+                            "positions", "Pad outside the tiled run, or use the padding "
+                            "argument of the convolution.")
         if name in _REFUSED:
             raise self.fail(name, "this op is not local or not supported in a tiled run",
                             "End the run before it, or keep it outside the tiled module.")
