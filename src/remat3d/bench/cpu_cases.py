@@ -6,7 +6,7 @@ For each method a copy of one CPU model (same weights) gets the method installed
   buffer compared with the unplanned step's, bitwise (``torch.equal``);
 - *memory*: the tracker's peak of that step on CPU (what the allocator sees at op
   boundaries: ``docs/tracker.md``);
-- *time*: ``repeats`` rounds (more for short steps: at least ``MIN_SECONDS`` of
+- *time*: ``repeats`` rounds (more for short steps: at least ``suite.min_seconds`` of
   unplanned steps, at most ``MAX_ROUNDS``) after one warm-up round; each round runs every method once,
   in turn (interleaved, so a slow spell of a shared machine hits every method alike);
   ``step_time_ratio`` is the median over rounds of (method seconds / unplanned seconds).
@@ -44,9 +44,8 @@ from remat3d.measurement import measure
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
 
-__all__ = ["MAX_ROUNDS", "MIN_SECONDS", "run_cpu_case"]
+__all__ = ["MAX_ROUNDS", "run_cpu_case"]
 
-MIN_SECONDS = 5.0  # timed unplanned seconds per case, at least (noise of a shared machine)
 MAX_ROUNDS = 60
 
 log = logging.getLogger(__name__)
@@ -186,8 +185,9 @@ def run_cpu_case(run: CaseRun, suite: Suite) -> None:
             seconds, _ = _step(c, x)
             if r:
                 c.seconds.append(seconds)
-            elif c is contenders[0]:  # short steps get more rounds (MIN_SECONDS)
-                rounds = max(rounds, min(MAX_ROUNDS, math.ceil(MIN_SECONDS / max(seconds, 1e-3))))
+            elif c is contenders[0]:  # short steps get more rounds (suite.min_seconds)
+                wanted = math.ceil(suite.min_seconds / max(seconds, 1e-3))
+                rounds = max(rounds, min(MAX_ROUNDS, wanted))
         r += 1
     for c in contenders:
         ratios = [s / b for s, b in zip(c.seconds, contenders[0].seconds)]

@@ -50,6 +50,7 @@ class Suite:
     strategies: tuple[str, ...]  # fixed remat3d strategies besides optimal
     repeats: int  # cpu tier: timed rounds (after one warm-up round)
     offload: tuple[bool, ...] = (False, True)  # remat3d optimal at its smallest budget
+    min_seconds: float = 5.0  # cpu tier: short steps get rounds until this much is timed
     model_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model
 
     def cases(self) -> list[Case]:
@@ -107,7 +108,7 @@ FULL = Suite(
 TINY = Suite(
     name="tiny",
     sweep_models=("segresnet",), sweep_sizes=(16,), sweep_amps=("none",),
-    point_models=("segresnet",), point_sizes=(8, 16), point_amps=("bf16",),
+    point_models=("segresnet",), point_sizes=(8, 16), point_amps=("none",),
     cpu_models=("segresnet",), cpu_sizes=(16,),  # the sweep's size: its plans are reused
     budgets=("0.9x",),
     compile_budgets=(),
@@ -116,6 +117,7 @@ TINY = Suite(
     strategies=("blocks",),
     repeats=2,
     offload=(False,),
+    min_seconds=0.0,
     model_kwargs={"segresnet": {"init_filters": 4, "blocks_down": (1, 1), "blocks_up": (1,),
                                 "norm": ("GROUP", {"num_groups": 2})}},
 )
