@@ -84,6 +84,10 @@ class Stats:
 
     def __init__(self, spec: NormSpec) -> None:
         self.spec = spec
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything gathered (a new forward of the run)."""
         self.count = 0
         self.mean: torch.Tensor | None = None   # float64, (N|1, G, 1, 1, 1, 1)
         self.m2: torch.Tensor | None = None

@@ -130,7 +130,7 @@ class TiledRun:
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         tr = self.trace
         for stats in self.stats:
-            stats.__init__(stats.spec)  # type: ignore[misc]
+            stats.reset()
         with torch.no_grad():
             for j in range(len(self.stats)):
                 for k in range(len(self.tiles)):
