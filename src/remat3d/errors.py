@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BudgetError",
     "DataError",
+    "InfeasibleBudgetError",
     "InputShapeError",
     "ModelSpecError",
     "Remat3dError",
@@ -32,6 +33,16 @@ class InputShapeError(Remat3dError, ValueError):
 
 class BudgetError(Remat3dError, ValueError):
     """A memory budget or byte size could not be parsed, or is infeasible."""
+
+
+class InfeasibleBudgetError(BudgetError):
+    """No plan fits the budget. The numbers a caller needs are attributes, not only text."""
+
+    def __init__(self, message: str, *, smallest_feasible_bytes: int,
+                 unplanned_peak_bytes: int) -> None:
+        super().__init__(message)
+        self.smallest_feasible_bytes = smallest_feasible_bytes
+        self.unplanned_peak_bytes = unplanned_peak_bytes
 
 
 class DataError(Remat3dError, ValueError):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.errors import BudgetError, Remat3dError
+from remat3d.errors import BudgetError, InfeasibleBudgetError, Remat3dError
 from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.optimal import min_peak
@@ -183,13 +183,14 @@ def plan(
             chosen = _prune(chosen, budget_bytes, stages, build)
         if chosen is None:
             smallest = _smallest_feasible(stages, options, make, build)
-            raise BudgetError(
+            raise InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
                 f"{type(model).__name__} {' '.join('x'.join(map(str, s)) for s in shapes)} "
                 f"(amp={amp or 'none'}{', offload' if offload else ''}): the smallest "
                 f"feasible budget is {format_bytes(smallest)} ({smallest} bytes); the "
                 f"unplanned peak is {format_bytes(prof.peak_bytes)}."
-                + ("" if offload else " Allowing offload (offload=True) may lower it.")
+                + ("" if offload else " Allowing offload (offload=True) may lower it."),
+                smallest_feasible_bytes=smallest, unplanned_peak_bytes=prof.peak_bytes,
             )
     assert chosen is not None
     if strategy == "optimal":

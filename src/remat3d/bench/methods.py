@@ -14,7 +14,6 @@ Names (the ``method`` field of a record):
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from remat3d import zoo
-from remat3d.errors import BudgetError, Remat3dError
+from remat3d.errors import InfeasibleBudgetError, Remat3dError
 from remat3d.planning import plan
 from remat3d.planspec import Plan
 from remat3d.runtime.apply import model_fingerprint
@@ -37,7 +36,6 @@ __all__ = [
     "smallest_feasible",
 ]
 
-_SMALLEST = re.compile(r"smallest feasible budget is [^(]*\((\d+) bytes\)")
 
 
 def is_spec(model: str) -> bool:
@@ -88,7 +86,7 @@ _SMALLEST_FOUND: dict[tuple, tuple[int, float]] = {}
 
 def smallest_feasible(net: nn.Module, shape: tuple[int, ...], amp: str | None,
                       offload: bool) -> tuple[int, float]:
-    """remat3d's smallest feasible budget (from its infeasible-budget error) and the
+    """remat3d's smallest feasible budget (from its ``InfeasibleBudgetError``) and the
     seconds the search took. Remembered per model structure, shape, amp and offload, so
     a CPU case at a sweep's size reuses the sweep's search (and ``plan``'s cached plan)."""
     key = (model_fingerprint(net), tuple(shape), amp, offload)
@@ -102,11 +100,7 @@ def _search_smallest(net: nn.Module, shape: tuple[int, ...], amp: str | None,
     start = time.perf_counter()
     try:
         plan(net, shape, budget=1, strategy="optimal", offload=offload, amp=amp)
-    except BudgetError as exc:
-        found = _SMALLEST.search(str(exc))
-        if found is None:
-            raise Remat3dError(f"remat3d.plan's infeasible-budget error names no smallest "
-                               f"budget in bytes: {exc}") from exc
-        return int(found.group(1)), time.perf_counter() - start
+    except InfeasibleBudgetError as exc:
+        return exc.smallest_feasible_bytes, time.perf_counter() - start
     raise Remat3dError("remat3d.plan accepted a budget of 1 byte; cannot find the smallest.")
 
