@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from remat3d.errors import Remat3dError
-from remat3d.instrument.step import _forward_loss, prepare_step
+from remat3d.instrument.step import _forward_loss, prepare_step, tracked_forward_backward
 from remat3d.instrument.tracker import MemoryTracker
 
 __all__ = [
@@ -124,12 +124,7 @@ def _measure(model: nn.Module, shape: tuple[int, ...], device: str, amp: str | N
     tracker.register(list(model.parameters()), "param")
     tracker.register(list(model.buffers()), "buffer")
     tracker.register(list(setup.inputs), "input")
-    with tracker:
-        loss = _forward_loss(setup)
-        tracker.mark_forward_end()
-        tracker.phase = "backward"
-        loss.backward()
-        del loss
+    tracked_forward_backward(setup, tracker)
     if compiled and counters["stats"]["unique_graphs"] != before:
         raise Remat3dError("torch.compile recompiled during the measured step, so the "
                            "measurement would include compilation; not measured.")

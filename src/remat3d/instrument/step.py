@@ -31,7 +31,8 @@ from remat3d.errors import Remat3dError
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.tracker import MemoryTracker, normalize_device
 
-__all__ = ["StepSetup", "default_loss", "meta_copy", "prepare_step", "run_step"]
+__all__ = ["StepSetup", "default_loss", "meta_copy", "prepare_step", "run_step",
+           "tracked_forward_backward"]
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -180,6 +181,17 @@ def _forward_loss(setup: StepSetup) -> torch.Tensor:
     return loss
 
 
+def tracked_forward_backward(setup: StepSetup, tracker: MemoryTracker) -> None:
+    """Forward, loss and backward under ``tracker``, marking where forward ends (what is
+    alive then is what autograd saved) and that the ops after it are backward's."""
+    with tracker:
+        loss = _forward_loss(setup)
+        tracker.mark_forward_end()
+        tracker.phase = "backward"
+        loss.backward()
+        del loss
+
+
 def run_step(setup: StepSetup, *, time_ops: bool = False) -> MemoryTracker:
     """Run one instrumented training step; return the tracker holding what it saw."""
     tracker = MemoryTracker(setup.device, setup.model, time_ops=time_ops)
@@ -189,12 +201,7 @@ def run_step(setup: StepSetup, *, time_ops: bool = False) -> MemoryTracker:
         try:
             tracker.register_model(setup.model)
             tracker.register(list(setup.inputs), "input")
-            with tracker:
-                loss = _forward_loss(setup)
-                tracker.mark_forward_end()
-                tracker.phase = "backward"
-                loss.backward()
-                del loss
+            tracked_forward_backward(setup, tracker)
             tracker.mark_gradients(list(setup.model.parameters()) + list(setup.inputs))
         finally:
             if tracker.invocations is not None:
