@@ -93,12 +93,13 @@ def _regions(model: StageModel, decisions: list[str], policies: dict[int, str],
 
 
 def _verify(model: nn.Module, shapes: list[tuple[int, ...]], plan_: Plan, amp: str | None,
-            loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int]:
-    """Replay the plan on a meta copy under the tracker: (peak bytes, recompute FLOPs)."""
+            loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int, int]:
+    """Replay the plan on a meta copy under the tracker: (peak bytes, recompute FLOPs,
+    all FLOPs of the step)."""
     copy_ = meta_copy(model)
     apply(copy_, plan_)
     m = measure(copy_, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
-    return m.peak_bytes, m.recompute_flops
+    return m.peak_bytes, m.recompute_flops, m.flops
 
 
 def plan(
@@ -146,7 +147,23 @@ def plan(
     options = PlannerOptions(offload=offload)
     solver = get_strategy(strategy)
 
-    verified: dict[tuple, tuple[int, int]] = {}
+    verified: dict[tuple, tuple[int, int, int]] = {}
+    step_flops = prof.graph.forward_flops + prof.graph.backward_flops
+
+    def check(candidate: Plan) -> Plan:
+        """Verify ``candidate`` (once per distinct plan: searches revisit plans)."""
+        signature = tuple((r.module, tuple(r.calls or ()), tuple(r.segment or ()),
+                           r.decision, str(r.policy), tuple(r.tile or ()), r.fuse)
+                          for r in candidate.regions)
+        if signature not in verified:
+            try:
+                verified[signature] = _verify(model, shapes, candidate, amp, loss_fn)
+            except InPlaceInputError as exc:
+                raise Remat3dError(f"Plan could not be verified: {exc}") from exc
+        peak, recomputed, total = verified[signature]
+        candidate.verified_peak_bytes, candidate.recompute_flops = peak, recomputed
+        candidate.extra_flops, candidate.step_flops = total - step_flops, step_flops
+        return candidate
 
     def build(result: Decisions) -> Plan:
         candidate = Plan(
@@ -157,16 +174,8 @@ def plan(
             strategy=strategy, predicted_peak_bytes=stages.peak(result.decisions),
         )
         if verify:
-            signature = tuple((r.module, tuple(r.calls or ()), tuple(r.segment or ()),
-                               r.decision, str(r.policy)) for r in candidate.regions)
-            if signature not in verified:  # searches revisit plans: measure each once
-                try:
-                    verified[signature] = _verify(model, shapes, candidate, amp, loss_fn)
-                except InPlaceInputError as exc:
-                    raise Remat3dError(f"Plan could not be verified: {exc}") from exc
-            candidate.verified_peak_bytes, candidate.recompute_flops = verified[signature]
-        else:
-            candidate.recompute_flops = stages.recompute_flops(result.decisions)
+            return check(candidate)
+        candidate.recompute_flops = stages.recompute_flops(result.decisions)
         return candidate
 
     def make(target: int) -> Plan | None:
@@ -181,8 +190,18 @@ def plan(
         chosen = _search(stages, budget_bytes, options, make, build, verify)
         if chosen is not None and verify:
             chosen = _prune(chosen, budget_bytes, stages, build)
+        smallest = 0
         if chosen is None:
             smallest = _smallest_feasible(stages, options, make, build)
+        if chosen is None and verify:
+            # below every plan of keep/recompute/offload decisions: tile (planner/tiling.py)
+            header = Plan(model=type(model).__name__, model_fingerprint=fingerprint,
+                          input_shapes=[list(s) for s in shapes], amp=amp,
+                          budget_bytes=budget_bytes, strategy=strategy)
+            chosen, tiled_smallest = _tiled(model, shapes, amp, prof.graph, stages, options,
+                                            budget_bytes, check, header)
+            smallest = min(smallest, tiled_smallest)
+        if chosen is None:
             raise InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
                 f"{type(model).__name__} {' '.join('x'.join(map(str, s)) for s in shapes)} "
@@ -257,6 +276,48 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
                 best is None or (other.recompute_flops or 0) < (best.recompute_flops or 0)):
             best = other
     return best
+
+
+def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, graph: Any,
+           stages: StageModel, options: PlannerOptions, budget: int,
+           check: Callable[[Plan], Plan], header: Plan) -> tuple[Plan | None, int]:
+    """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
+    verified peak fits ``budget``, and the smallest verified peak among those tried.
+
+    Each layout tiles its stages and recomputes every other stage; layouts whose verified
+    peak exceeds the budget are passed over, as are stages that cannot run tiled
+    (``nn/tiling/probe.py``)."""
+    from remat3d.nn.tiling.probe import tileable
+    from remat3d.nn.tiling.trace import TilingError
+    from remat3d.planner.tiling import layouts
+
+    names = [(st.name, st.call_index) for st in stages.stages]
+    ok = tileable(model, shapes, amp, names)
+    recomputable = options.recomputable or [True] * len(stages.stages)
+    smallest = 1 << 62
+    for layout in layouts(graph, stages, ok):
+        regions = []
+        for st in stages.stages:
+            if st.index in layout.tiled:
+                size, fused = layout.tiled[st.index]
+                regions.append(Region(st.name, calls=[st.call_index], decision="tile",
+                                      tile=list(size), fuse=fused))
+            elif recomputable[st.index]:
+                regions.append(Region(st.name, calls=[st.call_index]))
+        candidate = dataclasses.replace(header, regions=regions,
+                                        notes=[f"tiling layout: {layout.label}"])
+        try:
+            check(candidate)
+        except TilingError as exc:  # an op the probe did not see (shape-dependent code)
+            log.info("tiling layout %s skipped: %s", layout.label, exc)
+            continue
+        peak = candidate.verified_peak_bytes or 0
+        log.info("tiling layout %s: verified peak %s, extra %.3g FLOPs", layout.label,
+                 format_bytes(peak), candidate.extra_flops or 0)
+        smallest = min(smallest, peak)
+        if peak <= budget:
+            return candidate, smallest
+    return None, smallest
 
 
 def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:

@@ -55,6 +55,9 @@ class Region:
             gradients (rounding), so it is never made unless asked for.
         tile: output tile edge of a ``"tile"`` region: ``[D, H, W]`` (or one edge for
             all three axes); tiles need not divide the volume.
+        fuse: a ``"tile"`` region whose output is never stored: tiled regions that read it
+            compute it inside their own tiles, anything else computes it once when it
+            first needs it (NOTE [ Fused tiled regions ] in ``nn/tiling/fused.py``).
     """
 
     module: str
@@ -64,6 +67,7 @@ class Region:
     policy: str | list[str] | None = None
     storage_dtype: str | None = None
     tile: list[int] | None = None
+    fuse: bool = False
 
     @property
     def label(self) -> str:
@@ -97,6 +101,9 @@ class Region:
                 f"Region {self.label}: tile must be one or three positive ints (D, H, W), "
                 f"got {self.tile!r}."
             )
+        if self.fuse and self.decision != "tile":
+            raise PlanError(f"Region {self.label}: fuse applies to tiled regions only "
+                            f"(decision 'tile'), not {self.decision!r}.")
         if self.decision == "tile" and (self.policy is not None or self.storage_dtype):
             raise PlanError(f"Region {self.label}: a tiled region takes no op policy or "
                             "storage dtype (it keeps only its inputs).")
@@ -120,6 +127,10 @@ class Plan:
     predicted_peak_bytes: int | None = None
     verified_peak_bytes: int | None = None
     recompute_flops: int | None = None
+    # FLOPs of the verified planned step minus the unplanned step's: recomputation plus,
+    # for tiled regions, their extra passes and halos
+    extra_flops: int | None = None
+    step_flops: int | None = None  # the unplanned step's FLOPs (forward + backward)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -183,7 +194,10 @@ class Plan:
             if value is not None:
                 lines.append(f"  {label} {format_bytes(value)}")
         if self.recompute_flops is not None:
-            lines.append(f"  recompute {self.recompute_flops / 1e12:.3f} TFLOP")
+            lines.append(f"  recompute {_flops(self.recompute_flops, self.step_flops)}")
+        if self.extra_flops is not None and any(r.decision == "tile" for r in self.regions):
+            lines.append(f"  extra FLOPs (recompute, tile passes, halos) "
+                         f"{_flops(self.extra_flops, self.step_flops)}")
         for region in self.regions:
             extra = ""
             if region.policy:
@@ -192,5 +206,14 @@ class Plan:
                 extra += f" storage={region.storage_dtype}"
             if region.tile:
                 extra += " tile=" + "x".join(map(str, region.tile))
+            if region.fuse:
+                extra += " fused"
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
         return "\n".join(lines)
+
+
+def _flops(value: int, step: int | None) -> str:
+    text = f"{value / 1e12:.3f} TFLOP" if value >= 1e11 else f"{value / 1e9:.3f} GFLOP"
+    if step:
+        text += f" ({100 * value / step:+.1f} % of the unplanned step)"
+    return text

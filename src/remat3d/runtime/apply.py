@@ -264,6 +264,9 @@ class _PlannedForward:
         stats = state.stats[region.label]
         if region.decision == "tile":
             return self._tile(region, fn, args, kwargs)
+        from remat3d.nn.tiling.fused import materialize  # here: nn imports runtime modules
+
+        args, kwargs = materialize((args, kwargs))
         if region.decision == "recompute":
             calls_at_start = dict(state.calls)
 
@@ -289,6 +292,7 @@ class _PlannedForward:
 
     def _tile(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         from remat3d.nn.tiling import tile  # here: nn imports runtime modules
+        from remat3d.nn.tiling.fused import defer, fold
 
         if kwargs:
             raise PlanError(f"Plan region {region.label} is tiled, but its module was called "
@@ -297,7 +301,11 @@ class _PlannedForward:
         if not is_recomputing():
             self.state.stats[region.label].forward_runs += 1
         size = region.tile or [1]
-        return tile(fn, *args, tile=size[0] if len(size) == 1 else tuple(size))
+        edge = size[0] if len(size) == 1 else tuple(size)
+        fn, inputs = fold(fn, args)  # fused producers run inside this region's tiles
+        if region.fuse:
+            return defer(fn, inputs, edge, region.label)
+        return tile(fn, *inputs, tile=edge)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

@@ -1,0 +1,158 @@
+"""Fused tiled regions: a tiled stage whose output is never stored.
+
+NOTE [ Fused tiled regions ]
+  A ``Region(..., decision="tile", fuse=True)`` does not compute its output when its module
+  is called. It returns a :class:`Deferred`: a tensor with the output's shape, dtype and
+  device, no storage, and a recipe (the stage's function, its inputs, its tile size).
+  1. A tiled region called with a ``Deferred`` argument folds the recipe into its own run
+     (:func:`fold`): its tiles compute the producer's part inside their halos, from the
+     producer's inputs. The producer's output and its gradient are never whole tensors.
+     Several consumers each recompute it (that is the price; a skip connection read by an
+     encoder run and by a decoder run is computed twice forward, and recomputed in both
+     backwards).
+  2. Anything else that touches a ``Deferred`` (an op, a recompute region, a user's
+     ``print``) *materialises* it once: the producer runs tiled, as an unfused tiled region
+     would, and every later use reads that tensor. So fusing can only change memory and
+     time, never results: a fused tiled run equals the composition of its stages.
+  3. Shape, dtype, device and ``requires_grad`` queries answer without materialising (MONAI
+     code checks shapes between stages).
+  4. A consumer that is itself ``fuse`` returns a ``Deferred`` of the composed run, so a
+     chain of fused stages (decoder stage -> head) becomes one run ending where a
+     consumer is not fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["Deferred", "defer", "fold", "materialize"]
+
+# metadata that a Deferred answers itself (NOTE rule 3)
+_GETTERS = ("shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "grad_fn",
+            "layout", "grad", "is_cuda", "is_meta")
+_METADATA = {getattr(torch.Tensor, name).__get__ for name in _GETTERS} | {
+    torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.untyped_storage,
+}
+
+
+class Deferred(torch.Tensor):
+    """The output of a fused tiled region, not computed yet (NOTE [ Fused tiled regions ])."""
+
+    _recipe: tuple[Callable[..., Any], tuple[torch.Tensor, ...], Any, str]
+    _value: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
+                shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                label: str = "") -> Deferred:
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype,  # type: ignore[attr-defined]
+                                                device=device)
+        t._recipe = (fn, tuple(inputs), tile, label)
+        t._value = None
+        return t
+
+    @property
+    def label(self) -> str:
+        return self._recipe[3]
+
+    def materialize(self) -> torch.Tensor:
+        """The tensor itself, computed tiled the first time it is needed (NOTE rule 2)."""
+        if self._value is None:
+            from remat3d.nn.tiling.tiled import tile
+
+            fn, inputs, size, _ = self._recipe
+            self._value = tile(fn, *inputs, tile=size)
+        return self._value
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"Deferred({self.label or 'tiled run'}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, {'computed' if self._value is not None else 'pending'})")
+
+    @staticmethod
+    def is_metadata(func: Any) -> bool:
+        """Whether ``func`` only reads metadata (NOTE rule 3; function modes ask too)."""
+        return func in _METADATA
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = materialize((args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        raise RuntimeError(f"remat3d: {func} reached a pending fused tiled output without "
+                           "materialising it; please report this (it is a bug).")
+
+
+def materialize(tree: Any) -> Any:
+    """``tree`` with every :class:`Deferred` in it replaced by its value."""
+    return tree_map(lambda a: a.materialize() if isinstance(a, Deferred) else a, tree)
+
+
+def fold(fn: Callable[..., Any], args: Sequence[Any]
+         ) -> tuple[Callable[..., Any], list[Any]]:
+    """``fn`` over ``args`` as a function of plain inputs: every pending :class:`Deferred`
+    argument is replaced by its recipe (NOTE rule 1). Inputs shared between recipes (the
+    same tensor read by two stages) appear once; a Deferred passed twice is computed once
+    per tile."""
+    if not any(isinstance(a, Deferred) and a._value is None for a in args):
+        return fn, [a.materialize() if isinstance(a, Deferred) else a for a in args]
+    flat: list[Any] = []
+
+    def slot(t: Any) -> int:
+        for i, u in enumerate(flat):
+            if u is t:
+                return i
+        flat.append(t)
+        return len(flat) - 1
+
+    recipe: list[tuple[Callable[..., Any] | None, list[int]]] = []
+    for a in args:
+        if isinstance(a, Deferred) and a._value is None:
+            producer, inputs, _tile, _label = a._recipe
+            recipe.append((producer, [slot(t) for t in inputs]))
+        else:
+            recipe.append((None, [slot(a.materialize() if isinstance(a, Deferred) else a)]))
+
+    def fused(*xs: Any) -> Any:
+        done: dict[tuple[int, tuple[int, ...]], Any] = {}
+        values = []
+        for producer, idx in recipe:
+            if producer is None:
+                values.append(xs[idx[0]])
+                continue
+            key = (id(producer), tuple(idx))
+            if key not in done:
+                done[key] = producer(*(xs[i] for i in idx))
+            values.append(done[key])
+        return fn(*values)
+
+    fused.__qualname__ = f"fused({getattr(fn, '__qualname__', type(fn).__name__)})"
+    return fused, flat
+
+
+def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
+          label: str = "") -> Deferred:
+    """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile``; its shape and dtype
+    come from a trace on fake tensors (no memory, no compute)."""
+    from remat3d.nn.tiling.trace import TilingError, trace
+    from remat3d.runtime.state import recomputing
+
+    with recomputing():
+        tr = trace(fn, inputs)
+    if tr.returns_tuple:
+        raise TilingError(f"Tiled region {label or fn!r} returns several tensors; only a "
+                          "region with one output can be fused. Set fuse=False.")
+    return Deferred(fn, inputs, tile, tr.out_shapes[0], tr.out_dtypes[0], inputs[0].device,
+                    label)

@@ -1,0 +1,156 @@
+"""Tiling layouts: which stages run tiled, with which tile, and which are fused.
+
+Pure Python over the :class:`~remat3d.graph.CostGraph` and the :class:`StageModel` (no
+torch). Used by ``optimal`` when no plan of keep / recompute / selective / offload decisions
+fits the budget: recomputation cannot go below the working set of one full-resolution
+layer, and tiling can (docs/tiling.md).
+
+NOTE [ Tiling layouts ]
+  1. A stage's *level* is how many times its largest spatial tensor (input or output) has
+     been halved per axis relative to the largest tensor of the step: the full-resolution
+     stages are level 0, the half-resolution ones level 1.
+  2. A layout tiles every tileable stage of level < ``depth``. The output tile of a stage
+     is the full-resolution tile scaled to the stage's output (a stage whose output is at
+     half resolution gets half the edge), so the runs of one layout cut the volume alike.
+  3. ``fuse`` (NOTE [ Fused tiled regions ]): ``"none"`` stores every tiled output;
+     ``"chain"`` fuses a tiled stage whose output has exactly one reader, itself tiled (a
+     decoder stage and its 1x1 head become one run: no full-resolution output and no
+     gradient of it); ``"all"`` fuses every tiled stage whose readers are all tiled (a
+     skip connection read by an encoder run and a decoder run is recomputed in both:
+     the least memory, the most FLOPs).
+  4. Stages that are not tiled are recomputed (regions that keep only their inputs); the
+     planner then verifies each layout on the meta device, cheapest expected first.
+  5. Expected cost order (cheapest first): fewer levels, then less fusion, then larger
+     tiles. Each normalisation inside a run costs extra passes over the run and fusion
+     puts more normalisations in a run; smaller tiles add halo overlap. The order is a
+     heuristic; the memory of each layout is measured, never guessed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from remat3d.graph import CostGraph
+from remat3d.planner.stages import StageModel
+
+__all__ = ["FUSE_MODES", "Layout", "layouts", "stage_levels"]
+
+FUSE_MODES = ("none", "chain", "all")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One tiling layout: stage index -> (output tile edge per axis, fused)."""
+
+    depth: int
+    fuse: str
+    tile: int  # full-resolution tile edge
+    tiled: dict[int, tuple[tuple[int, int, int], bool]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"tile {self.tile}, levels < {self.depth}, fuse {self.fuse}"
+
+
+def _volume(shape: list[int] | tuple[int, ...] | None) -> int:
+    if not shape or len(shape) != 5:
+        return 0
+    return int(shape[2]) * int(shape[3]) * int(shape[4])
+
+
+def _stage_members(graph: CostGraph, model: StageModel) -> dict[int, int]:
+    """Graph node id -> stage index, for every node inside a stage."""
+    out: dict[int, int] = {}
+    for stage in model.stages:
+        stack = [stage.node]
+        while stack:
+            k = stack.pop()
+            out[k] = stage.index
+            stack.extend(graph.nodes[k].children)
+    return out
+
+
+def stage_levels(graph: CostGraph, model: StageModel) -> list[int | None]:
+    """NOTE rule 1: each stage's resolution level (None: no 5-D spatial tensor)."""
+    member = _stage_members(graph, model)
+    largest = [0] * len(model.stages)
+    for stage in model.stages:
+        largest[stage.index] = _volume(graph.nodes[stage.node].output_shape)
+    for e in graph.edges:
+        s = member.get(e.dst)
+        if s is not None and member.get(e.src) != s:
+            largest[s] = max(largest[s], _volume(e.shape))
+    top = max(largest, default=0)
+    if top == 0:
+        return [None] * len(model.stages)
+    return [None if v == 0 else round(math.log(top / v, 8)) for v in largest]
+
+
+def _readers(graph: CostGraph, model: StageModel) -> list[set[int | None]]:
+    """Per stage, the stages that read its outputs (None: glue or the loss)."""
+    member = _stage_members(graph, model)
+    readers: list[set[int | None]] = [set() for _ in model.stages]
+    produced = [False] * len(model.stages)
+    for e in graph.edges:
+        s = member.get(e.src)
+        if s is None or member.get(e.dst) == s:
+            continue
+        produced[s] = True
+        readers[s].add(member.get(e.dst))
+    for s, made in enumerate(produced):
+        if not made:  # nothing reads it inside the step but the loss
+            readers[s].add(None)
+    return readers
+
+
+def _edges(shape: list[int] | None) -> tuple[int, int, int] | None:
+    if not shape or len(shape) != 5:
+        return None
+    return int(shape[2]), int(shape[3]), int(shape[4])
+
+
+def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
+            tiles: tuple[int, ...] | None = None, max_depth: int = 2) -> list[Layout]:
+    """Every layout to try, cheapest expected first (NOTE [ Tiling layouts ] rule 5).
+
+    ``tileable[s]`` says whether stage ``s`` can run tiled (its ops are spatially local:
+    checked on the torch side). ``tiles`` are full-resolution tile edges; by default a half
+    and a quarter of the largest volume's shortest edge (at least 16).
+    """
+    levels = stage_levels(graph, model)
+    readers = _readers(graph, model)
+    full = [_edges(graph.nodes[st.node].output_shape) for st in model.stages]
+    top_edges = max((e for e, lv in zip(full, levels) if e and lv == 0),
+                    key=lambda e: e[0] * e[1] * e[2], default=None)
+    if top_edges is None:
+        return []
+    if tiles is None:
+        shortest = min(top_edges)
+        tiles = tuple(sorted({t for t in (shortest // 2, shortest // 4) if t >= 16},
+                             reverse=True))
+    out: list[Layout] = []
+    seen: set[tuple] = set()
+    for depth in range(1, max_depth + 1):
+        chosen = [s for s, lv in enumerate(levels)
+                  if lv is not None and lv < depth and tileable[s] and full[s] is not None]
+        if not chosen:
+            continue
+        for fuse in FUSE_MODES:
+            for t in tiles:
+                tiled: dict[int, tuple[tuple[int, int, int], bool]] = {}
+                for s in chosen:
+                    edges = full[s]
+                    assert edges is not None
+                    size = tuple(max(1, min(e, round(t * e / top)))
+                                 for e, top in zip(edges, top_edges))
+                    rd = readers[s]
+                    inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
+                    fused = inner and (fuse == "all" or (fuse == "chain" and len(rd) == 1))
+                    tiled[s] = (size, fused)  # type: ignore[assignment]
+                key = tuple(sorted(tiled.items()))
+                if key in seen:  # e.g. "chain" equal to "none" on this graph
+                    continue
+                seen.add(key)
+                out.append(Layout(depth=depth, fuse=fuse, tile=t, tiled=tiled))
+    return out

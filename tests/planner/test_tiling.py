@@ -1,0 +1,81 @@
+"""Tiling layouts (planner/tiling.py) and ``optimal`` choosing tiles below the
+recomputation floor (planning._tiled)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat3d
+from remat3d.errors import InfeasibleBudgetError
+from remat3d.planner.stages import build_stages
+from remat3d.planner.tiling import _readers, layouts, stage_levels
+from remat3d.profiling import profile
+from tests.tiling.test_fused import TinyUNet, _step, assert_same_step
+
+SHAPE = (1, 1, 32, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def graph_and_stages():  # type: ignore[no-untyped-def]
+    prof = profile(TinyUNet(), SHAPE, device="meta")
+    return prof.graph, build_stages(prof.graph)
+
+
+def test_levels_and_readers(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    level = dict(zip(names, stage_levels(graph, stages)))
+    # the encoder stage reads the full-resolution skip: level 0 like the stem and decoder
+    assert level["stem"] == level["down"] == level["up"] == level["head"] == 0
+    assert level["inner"] == 1
+    readers = _readers(graph, stages)
+    index = {n: i for i, n in enumerate(names)}
+    assert readers[index["up"]] == {index["head"]}
+    assert readers[index["head"]] == {None}  # read by the loss only
+    assert index["up"] in readers[index["stem"]]
+
+
+def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    everything = layouts(graph, stages, [True] * len(names), tiles=(16,), max_depth=2)
+    keys = [tuple(sorted(lay.tiled.items())) for lay in everything]
+    assert len(keys) == len(set(keys))  # no layout twice
+    by = {(lay.depth, lay.fuse): lay for lay in everything}
+    fused = {mode: {names[s] for s, (_t, f) in lay.tiled.items() if f}
+             for (depth, mode), lay in by.items() if depth == 1}
+    assert fused["none"] == set()
+    assert fused["chain"] == {"up"}  # the decoder stage feeds the head only
+    assert "head" not in fused["all"] and "up" in fused["all"]
+    # a stage whose output is at half resolution gets half the tile
+    lay = by[(1, "none")]
+    assert lay.tiled[names.index("down")][0] == (8, 8, 8)
+    assert lay.tiled[names.index("up")][0] == (16, 16, 16)
+    # a stage that cannot be tiled is never tiled, and nothing fuses into it
+    no_up = layouts(graph, stages, [n != "up" for n in names], tiles=(16,))
+    assert all(names.index("up") not in lay.tiled for lay in no_up)
+
+
+def test_optimal_tiles_below_the_recomputation_floor() -> None:
+    torch.manual_seed(0)
+    net = TinyUNet()
+    # every budget below the least peak of keep/recompute plans was infeasible before
+    # tiling existed; the error's number now includes tiled layouts
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat3d.plan(net, SHAPE, budget=1)
+    smallest = info.value.smallest_feasible_bytes
+    plan = remat3d.plan(net, SHAPE, budget=smallest)
+    assert any(r.decision == "tile" for r in plan.regions)
+    assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
+    untiled_floor = remat3d.plan(net, SHAPE, budget="1x")  # no tiling needed
+    assert not any(r.decision == "tile" for r in untiled_floor.regions)
+    assert "tiling layout" in plan.notes[0] and plan.extra_flops and plan.extra_flops > 0
+    # the plan is exact on the real model (checked in float64: no rounding noise)
+    net = net.double()
+    tiled = copy.deepcopy(net)
+    remat3d.apply(tiled, plan)
+    x = torch.randn(SHAPE, dtype=torch.float64)
+    assert_same_step(_step(net, x), _step(tiled, x), 1e-12)
