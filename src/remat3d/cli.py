@@ -149,21 +149,36 @@ def plan_command(
                         f"{len(result.regions)} regions ({strategy})", title_justify="left")
     table.add_column("module", overflow="fold", min_width=24)
     table.add_column("decision")
-    table.add_column("policy")
+    table.add_column("policy / tile")
     for region in result.regions:
-        table.add_row(region.label, region.decision, str(region.policy or ""))
+        detail = str(region.policy or "")
+        if region.tile:
+            detail = "x".join(map(str, region.tile)) + (" fused" if region.fuse else "")
+        table.add_row(region.label, region.decision, detail)
     console.print(table)
-    overhead = (result.recompute_flops or 0) / max(1, base.flops)
+    tiled = any(r.decision == "tile" for r in result.regions)
+    predicted = ("" if result.predicted_peak_bytes is None else
+                 f" | predicted {format_bytes(result.predicted_peak_bytes)}")
     console.print(
         f"budget {format_bytes(result.budget_bytes or 0)} | unplanned peak "
-        f"{format_bytes(base.peak_bytes)} | predicted {format_bytes(result.predicted_peak_bytes or 0)}"
+        f"{format_bytes(base.peak_bytes)}{predicted}"
         f" | verified [bold]{format_bytes(result.verified_peak_bytes or 0)}[/] | "
-        f"recompute +{100 * overhead:.1f}% FLOPs", highlight=False)
+        + (f"extra +{100 * _overhead(result, base):.1f}% FLOPs (recompute, tile passes, "
+           "halos)" if tiled else f"recompute +{100 * _overhead(result, base):.1f}% FLOPs"),
+        highlight=False)
     if out:
         console.print(f"plan written to [bold]{out}[/]")
     if plot:
         _plot(plot, net, shape, result, base, amp_, offload, model)
         console.print(f"plot written to [bold]{plot}[/]")
+
+
+def _overhead(plan: Any, base: Any) -> float:
+    """A plan's extra FLOPs as a fraction of the unplanned step's (tiled plans: every extra
+    pass and halo; otherwise the recomputation)."""
+    tiled = any(r.decision == "tile" for r in plan.regions)
+    extra = plan.extra_flops if tiled and plan.extra_flops is not None else plan.recompute_flops
+    return (extra or 0) / max(1, base.flops)
 
 
 def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | None,
@@ -187,11 +202,10 @@ def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | 
                 p = make_plan(net, shape, budget=budget, offload=offload, amp=amp)
             except Remat3dError:
                 continue
-            curve.append((p.verified_peak_bytes or 0, (p.recompute_flops or 0) / base.flops))
+            curve.append((p.verified_peak_bytes or 0, _overhead(p, base)))
     plot_plan(path, title=f"{model} {'x'.join(map(str, shape))} amp={amp or 'none'}",
               curve=curve,
-              chosen=(result.verified_peak_bytes or 0,
-                      (result.recompute_flops or 0) / max(1, base.flops)),
+              chosen=(result.verified_peak_bytes or 0, _overhead(result, base)),
               budget=result.budget_bytes or 0,
               unplanned=[e["live_after"] for e in base.timeline],
               planned=[e["live_after"] for e in timeline])

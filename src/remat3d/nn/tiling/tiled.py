@@ -9,8 +9,9 @@ NOTE [ Tiled backward ]
   2. Backward is linear in the output gradient, so it is the sum over output tiles of the
      backward of that tile's output alone. Each tile recomputes its forward (exactly, with
      whole-tensor statistics) from halo-extended input slices, with grad, and back-
-     propagates its own output gradient: parameter gradients are summed over tiles, input
-     gradients added into the input-gradient tensor at each tile's input region.
+     propagates its own output gradient: parameter gradients are summed over tiles (in
+     float64, cast back once), input gradients added into the input-gradient tensor at
+     each tile's input region.
   3. A normalisation's backward needs two sums over the whole tensor (of the gradient of
      its normalised output, and of that gradient times the normalised output). By rule 2
      they are sums over tiles too: one extra backward pass per normalisation, from the
@@ -219,10 +220,10 @@ class TiledRun:
                     if g is not None and target is not None:
                         crop(target, _whole(target), region_of(local[i])).add_(g)
             for i, g in enumerate(it):
-                if g is not None:
+                if g is not None:  # summed over tiles in float64: no rounding added
                     previous = dparams[i]
-                    dparams[i] = g if previous is None else previous.add_(g)
-        return dx, dparams
+                    dparams[i] = g.double() if previous is None else previous.add_(g)
+        return dx, [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
 
 
 def _whole(t: torch.Tensor) -> Region:
