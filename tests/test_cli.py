@@ -85,6 +85,23 @@ def test_plan_command_writes_plan_and_plot(tmp_path):
     assert plan.verified_peak_bytes <= plan.budget_bytes
 
 
+def test_plan_command_tiles_below_the_recomputation_floor():
+    import remat3d
+    from remat3d import zoo
+    from remat3d.errors import InfeasibleBudgetError
+
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat3d.plan(zoo.build_model("basicunet"), (1, 1, 32, 32, 32), budget=1)
+    smallest = str(info.value.smallest_feasible_bytes)
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", smallest])
+    assert result.exit_code == 0, result.output
+    assert "tile" in result.output and "extra +" in result.output
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", smallest, "--no-tile"])
+    assert result.exit_code == 2 and "--tile" in result.output
+
+
 def test_plan_command_infeasible_budget_is_one_line():
     result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
                                  "--budget", "1MB"])

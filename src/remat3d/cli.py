@@ -120,6 +120,9 @@ def plan_command(
                                  help="optimal (default), none, blocks, selective, uniform, "
                                       "sqrt, balanced or recursive."),
     offload: bool = typer.Option(False, "--offload", help="Allow offload to host memory."),
+    tile: bool = typer.Option(True, "--tile/--no-tile",
+                              help="Let optimal tile full-resolution stages when no "
+                                   "recompute plan fits (exact; costs extra passes)."),
     amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
@@ -139,7 +142,7 @@ def plan_command(
     with status:
         base = profile(net, shape, amp=amp_)
         result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
-                           amp=amp_)
+                           amp=amp_, tile=tile)
     if out:
         result.save(out)
     if json_out:
@@ -169,7 +172,7 @@ def plan_command(
     if out:
         console.print(f"plan written to [bold]{out}[/]")
     if plot:
-        _plot(plot, net, shape, result, base, amp_, offload, model)
+        _plot(plot, net, shape, result, base, amp_, offload, model, tile)
         console.print(f"plot written to [bold]{plot}[/]")
 
 
@@ -182,7 +185,7 @@ def _overhead(plan: Any, base: Any) -> float:
 
 
 def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | None,
-          offload: bool, model: str) -> None:
+          offload: bool, model: str, tile: bool = True) -> None:
     from remat3d.instrument.step import meta_copy
     from remat3d.plotting import plot_plan
     from remat3d.profiling import profile
@@ -199,7 +202,7 @@ def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | 
         for k in range(6):
             budget = int(low + (base.peak_bytes - low) * k / 5)
             try:
-                p = make_plan(net, shape, budget=budget, offload=offload, amp=amp)
+                p = make_plan(net, shape, budget=budget, offload=offload, amp=amp, tile=tile)
             except Remat3dError:
                 continue
             curve.append((p.verified_peak_bytes or 0, _overhead(p, base)))

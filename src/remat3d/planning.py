@@ -111,6 +111,7 @@ def plan(
     amp: str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     verify: bool = True,
+    tile: bool = True,
 ) -> Plan:
     """Plan checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -122,6 +123,10 @@ def plan(
         strategy: a name from the registry (``remat3d.planner.registry.STRATEGIES``).
         offload: allow moving saved tensors to host memory.
         amp: ``None``, ``"bf16"`` or ``"fp16"`` — the precision the step will run in.
+        tile: let ``optimal`` tile full-resolution stages when no plan of keep /
+            recompute / offload decisions fits (``planner/tiling.py``; exact, but each
+            normalisation in a tiled run costs extra passes). ``False``: such a budget is
+            an error naming the smallest budget without tiling.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure, input shapes, amp, budget, strategy, offload).
@@ -136,7 +141,7 @@ def plan(
     """
     shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x) for x in inputs]
     fingerprint = model_fingerprint(model)
-    key = (fingerprint, tuple(shapes), amp, budget, strategy, offload)
+    key = (fingerprint, tuple(shapes), amp, budget, strategy, offload, tile)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
@@ -193,7 +198,7 @@ def plan(
         smallest = 0
         if chosen is None:
             smallest = _smallest_feasible(stages, options, make, build)
-        if chosen is None and verify:
+        if chosen is None and verify and tile:
             # below every plan of keep/recompute/offload decisions: tile (planner/tiling.py)
             header = Plan(model=type(model).__name__, model_fingerprint=fingerprint,
                           input_shapes=[list(s) for s in shapes], amp=amp,
@@ -208,7 +213,8 @@ def plan(
                 f"(amp={amp or 'none'}{', offload' if offload else ''}): the smallest "
                 f"feasible budget is {format_bytes(smallest)} ({smallest} bytes); the "
                 f"unplanned peak is {format_bytes(prof.peak_bytes)}."
-                + ("" if offload else " Allowing offload (offload=True) may lower it."),
+                + ("" if offload else " Allowing offload (offload=True) may lower it.")
+                + ("" if tile else " Allowing tiling (tile=True; --tile) may lower it."),
                 smallest_feasible_bytes=smallest, unplanned_peak_bytes=prof.peak_bytes,
             )
     assert chosen is not None
@@ -278,6 +284,22 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
     return best
 
 
+def layout_regions(stages: StageModel, layout: Any, recomputable: list[bool] | None = None
+                   ) -> list[Region]:
+    """A tiling layout as plan regions: its stages tiled (and fused), every other stage
+    recomputed where it may be (NOTE [ Tiling layouts ] rule 4)."""
+    ok = recomputable or [True] * len(stages.stages)
+    regions = []
+    for st in stages.stages:
+        if st.index in layout.tiled:
+            size, fused = layout.tiled[st.index]
+            regions.append(Region(st.name, calls=[st.call_index], decision="tile",
+                                  tile=list(size), fuse=fused))
+        elif ok[st.index]:
+            regions.append(Region(st.name, calls=[st.call_index]))
+    return regions
+
+
 def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, graph: Any,
            stages: StageModel, options: PlannerOptions, budget: int,
            check: Callable[[Plan], Plan], header: Plan) -> tuple[Plan | None, int]:
@@ -296,15 +318,8 @@ def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, gra
     recomputable = options.recomputable or [True] * len(stages.stages)
     smallest = 1 << 62
     for layout in layouts(graph, stages, ok):
-        regions = []
-        for st in stages.stages:
-            if st.index in layout.tiled:
-                size, fused = layout.tiled[st.index]
-                regions.append(Region(st.name, calls=[st.call_index], decision="tile",
-                                      tile=list(size), fuse=fused))
-            elif recomputable[st.index]:
-                regions.append(Region(st.name, calls=[st.call_index]))
-        candidate = dataclasses.replace(header, regions=regions,
+        candidate = dataclasses.replace(header, regions=layout_regions(stages, layout,
+                                                                       recomputable),
                                         notes=[f"tiling layout: {layout.label}"])
         try:
             check(candidate)
@@ -320,6 +335,11 @@ def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, gra
     return None, smallest
 
 
+def _cost(p: Plan) -> int:
+    """Extra FLOPs of a verified plan (tiled plans: halos and passes too)."""
+    return p.extra_flops if p.extra_flops is not None else (p.recompute_flops or 0)
+
+
 def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:
     """A cheaper plan already verified under this budget (for a smaller budget) wins.
 
@@ -329,8 +349,7 @@ def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:
     for other_key, other in _CACHE.items():
         if other_key[:3] + other_key[4:] != family or other.verified_peak_bytes is None:
             continue
-        if other.verified_peak_bytes <= budget and \
-                (other.recompute_flops or 0) < (chosen.recompute_flops or 0):
+        if other.verified_peak_bytes <= budget and _cost(other) < _cost(chosen):
             chosen = dataclasses.replace(other, budget_bytes=budget,
                                          regions=list(other.regions))
     return chosen

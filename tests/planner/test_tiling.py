@@ -70,6 +70,8 @@ def test_optimal_tiles_below_the_recomputation_floor() -> None:
     plan = remat3d.plan(net, SHAPE, budget=smallest)
     assert any(r.decision == "tile" for r in plan.regions)
     assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
+    with pytest.raises(InfeasibleBudgetError, match="tile=True"):
+        remat3d.plan(net, SHAPE, budget=smallest, tile=False)  # the caller said no
     untiled_floor = remat3d.plan(net, SHAPE, budget="1x")  # no tiling needed
     assert not any(r.decision == "tile" for r in untiled_floor.regions)
     assert "tiling layout" in plan.notes[0] and plan.extra_flops and plan.extra_flops > 0

@@ -77,7 +77,8 @@ def plan_method(net: nn.Module, shape: tuple[int, ...], amp: str | None, strateg
                 budget: int, offload: bool = False) -> Planned:
     """``remat3d.plan`` timed (raises ``BudgetError`` when infeasible)."""
     start = time.perf_counter()
-    result = plan(net, shape, budget=budget, strategy=strategy, offload=offload, amp=amp)
+    result = plan(net, shape, budget=budget, strategy=strategy, offload=offload, amp=amp,
+                  tile=False)
     return Planned(result, time.perf_counter() - start)
 
 
@@ -86,7 +87,8 @@ _SMALLEST_FOUND: dict[tuple, tuple[int, float]] = {}
 
 def smallest_feasible(net: nn.Module, shape: tuple[int, ...], amp: str | None,
                       offload: bool) -> tuple[int, float]:
-    """remat3d's smallest feasible budget (from its ``InfeasibleBudgetError``) and the
+    """remat3d's smallest feasible budget without tiling (from its
+    ``InfeasibleBudgetError``; the suites compare checkpointing methods) and the
     seconds the search took. Remembered per model structure, shape, amp and offload, so
     a CPU case at a sweep's size reuses the sweep's search (and ``plan``'s cached plan)."""
     key = (model_fingerprint(net), tuple(shape), amp, offload)
@@ -99,7 +101,7 @@ def _search_smallest(net: nn.Module, shape: tuple[int, ...], amp: str | None,
                      offload: bool) -> tuple[int, float]:
     start = time.perf_counter()
     try:
-        plan(net, shape, budget=1, strategy="optimal", offload=offload, amp=amp)
+        plan(net, shape, budget=1, strategy="optimal", offload=offload, amp=amp, tile=False)
     except InfeasibleBudgetError as exc:
         return exc.smallest_feasible_bytes, time.perf_counter() - start
     raise Remat3dError("remat3d.plan accepted a budget of 1 byte; cannot find the smallest.")

@@ -1,6 +1,7 @@
 """Regenerate the numbers in ``docs/tiling.md``: exactness per preset, and nnU-Net at 512³.
 
 ``python -m remat3d.nn.tiling.report_tiling [--exactness] [--size 512] [--tile 128]``
+``python -m remat3d.nn.tiling.report_tiling --layouts [--size 512]``
 
 - exactness: each of nnunet, unet, basicunet, segresnet, one fp32 CPU training step with
   the full-resolution stages tiled (``presets.full_resolution_plan``) against the same
@@ -119,6 +120,35 @@ def memory_rows(size: int, tile: int, setups: Sequence[str] = SETUPS) -> list[di
     return rows
 
 
+def layout_rows(size: int, amp: str | None = "bf16") -> list[dict[str, Any]]:
+    """Every tiling layout ``remat3d.plan`` tries for nnU-Net at ``size``³, in its order
+    (NOTE [ Tiling layouts ]), each measured on meta like the planner verifies it."""
+    import remat3d
+    from remat3d import zoo
+    from remat3d.nn.tiling.probe import tileable
+    from remat3d.planner.stages import build_stages
+    from remat3d.planner.tiling import layouts
+    from remat3d.planning import layout_regions
+    from remat3d.planspec import Plan
+
+    model = zoo.build_model("nnunet", device="meta")
+    shapes = [(1, 1, size, size, size)]
+    prof = remat3d.profile(model, *shapes, device="meta", amp=amp)
+    stages = build_stages(prof.graph)
+    ok = tileable(model, shapes, amp, [(st.name, st.call_index) for st in stages.stages])
+    rows = [{"setup": "untiled", "peak_bytes": prof.peak_bytes,
+             "flops": prof.graph.forward_flops + prof.graph.backward_flops}]
+    for layout in layouts(prof.graph, stages, ok):
+        planned = zoo.build_model("nnunet", device="meta")
+        remat3d.apply(planned, Plan(regions=layout_regions(stages, layout)))
+        m = remat3d.measure(planned, *shapes, device="meta", amp=amp)
+        rows.append({"setup": layout.label, "peak_bytes": m.peak_bytes, "flops": m.flops,
+                     "tiled": ", ".join(
+                         f"{stages.stages[s].name}{' (fused)' if f else ''}"
+                         for s, (_t, f) in sorted(layout.tiled.items()))})
+    return rows
+
+
 EXACTNESS_CASES: list[tuple[str, int, Any]] = [
     ("nnunet", 64, 64), ("nnunet", 64, 24), ("nnunet", 64, (40, 64, 27)),
     ("unet", 32, 12), ("unet", 48, (20, 48, 17)),
@@ -209,6 +239,8 @@ def main() -> None:
     parser.add_argument("--exactness", action="store_true")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--tile", type=int, default=128)
+    parser.add_argument("--layouts", action="store_true",
+                        help="the planner's tiling layouts at --size, instead of --setups")
     parser.add_argument("--setups", default=";".join(SETUPS),
                         help="separated by ;, the first is the FLOP reference")
     args = parser.parse_args()
@@ -224,6 +256,15 @@ def main() -> None:
                   f"{floor['output']:.1e} / {floor['grads']:.1e} | "
                   f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
                   flush=True)
+    if args.layouts:
+        rows = layout_rows(args.size)
+        print(f"\nnnunet {args.size}³, bf16 autocast, meta: the planner's tiling layouts")
+        print("| layout | tiled stages | step peak | FLOPs vs untiled |")
+        print("|---|---|---:|---:|")
+        for r in rows:
+            print(f"| {r['setup']} | {r.get('tiled', '')} | {r['peak_bytes'] / GiB:.2f} GiB | "
+                  f"{r['flops'] / rows[0]['flops']:.2f}x |", flush=True)
+        return
     rows = memory_rows(args.size, args.tile, args.setups.split(";"))
     base = rows[0]
     print(f"\nnnunet {args.size}³, bf16 autocast, meta, tile {args.tile}³")
