@@ -124,6 +124,8 @@ class Plan:
     strategy: str = "manual"
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
     host_budget_bytes: int | None = None  # None: no limit on host memory for offload
+    # save concatenations for backward as their parts (runtime/concat.py) outside regions
+    share_concat: bool = True
     predicted_peak_bytes: int | None = None
     verified_peak_bytes: int | None = None
     recompute_flops: int | None = None

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from remat3d.planspec import Plan, PlanError, Region
+from remat3d.runtime.concat import ConcatRecorder, SharedConcat
 from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.region import RegionStats, _checkpoint
 from remat3d.runtime.state import is_recomputing, register_module_names
@@ -192,28 +193,36 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
         self.state = state
         self.modules = ModuleStack()
         self.params = {id(p.untyped_storage()) for p in state.model.parameters()}
-        super().__init__(self._pack, _identity)
+        self.concats = ConcatRecorder() if state.plan.share_concat else None
+        super().__init__(self._pack, _unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = id(t.untyped_storage())
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | SharedConcat:
+        shared = self.concats.shared(t) if self.concats is not None else None
         log = self.state.saved
-        if key not in self.params and key not in log.seen:
-            log.seen.add(key)
-            name = self.modules.current()
-            log.by_module[name] = log.by_module.get(name, 0) + t.untyped_storage().nbytes()
-        return t
+        for stored in shared.parts if shared is not None else (t,):
+            key = id(stored.untyped_storage())
+            if key not in self.params and key not in log.seen:
+                log.seen.add(key)
+                name = self.modules.current()
+                log.by_module[name] = (log.by_module.get(name, 0)
+                                       + stored.untyped_storage().nbytes())
+        return shared if shared is not None else t
 
     def __enter__(self) -> Any:
         self.modules.__enter__()
+        if self.concats is not None:
+            self.concats.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        if self.concats is not None:
+            self.concats.__exit__(*exc)
         self.modules.__exit__(*exc)
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _unpack(saved: torch.Tensor | SharedConcat) -> torch.Tensor:
+    return saved.unpack() if isinstance(saved, SharedConcat) else saved
 
 
 def _start_log(state: AppliedPlan) -> Callable[..., None]:
