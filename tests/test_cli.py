@@ -104,7 +104,7 @@ def test_plan_command_tiles_below_the_recomputation_floor():
 
 def test_plan_command_infeasible_budget_is_one_line():
     result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
-                                 "--budget", "1MB"])
+                                 "--budget", "1MB", "--no-tile"])
     assert result.exit_code == 2
     assert "smallest feasible budget" in " ".join(result.output.split())
     assert "Traceback" not in result.output
