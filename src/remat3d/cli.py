@@ -159,7 +159,6 @@ def plan_command(
             detail = "x".join(map(str, region.tile)) + (" fused" if region.fuse else "")
         table.add_row(region.label, region.decision, detail)
     console.print(table)
-    tiled = any(r.decision == "tile" for r in result.regions)
     predicted = ("" if result.predicted_peak_bytes is None else
                  f" | predicted {format_bytes(result.predicted_peak_bytes)}")
     console.print(
@@ -167,7 +166,7 @@ def plan_command(
         f"{format_bytes(base.peak_bytes)}{predicted}"
         f" | verified [bold]{format_bytes(result.verified_peak_bytes or 0)}[/] | "
         + (f"extra +{100 * _overhead(result, base):.1f}% FLOPs (recompute, tile passes, "
-           "halos)" if tiled else f"recompute +{100 * _overhead(result, base):.1f}% FLOPs"),
+           "halos)" if result.tiled else f"recompute +{100 * _overhead(result, base):.1f}% FLOPs"),
         highlight=False)
     if out:
         console.print(f"plan written to [bold]{out}[/]")
@@ -179,8 +178,7 @@ def plan_command(
 def _overhead(plan: Any, base: Any) -> float:
     """A plan's extra FLOPs as a fraction of the unplanned step's (tiled plans: every extra
     pass and halo; otherwise the recomputation)."""
-    tiled = any(r.decision == "tile" for r in plan.regions)
-    extra = plan.extra_flops if tiled and plan.extra_flops is not None else plan.recompute_flops
+    extra = plan.extra_flops if plan.tiled and plan.extra_flops is not None else plan.recompute_flops
     return (extra or 0) / max(1, base.flops)
 
 

@@ -22,11 +22,13 @@ import torch
 from torch import nn
 
 from remat3d.errors import BudgetError, InfeasibleBudgetError, Remat3dError
+from remat3d.graph import CostGraph
 from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.optimal import min_peak
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, StageModel, build_stages
+from remat3d.planner.tiling import Layout, layouts
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply, model_fingerprint
@@ -195,17 +197,17 @@ def plan(
         chosen = _search(stages, budget_bytes, options, make, build, verify)
         if chosen is not None and verify:
             chosen = _prune(chosen, budget_bytes, stages, build)
-        smallest = 0
         if chosen is None:
             smallest = _smallest_feasible(stages, options, make, build)
-        if chosen is None and verify and tile:
-            # below every plan of keep/recompute/offload decisions: tile (planner/tiling.py)
-            header = Plan(model=type(model).__name__, model_fingerprint=fingerprint,
-                          input_shapes=[list(s) for s in shapes], amp=amp,
-                          budget_bytes=budget_bytes, strategy=strategy)
-            chosen, tiled_smallest = _tiled(model, shapes, amp, prof.graph, stages, options,
-                                            budget_bytes, check, header)
-            smallest = min(smallest, tiled_smallest)
+            if verify and tile:
+                # below every plan of keep/recompute/offload decisions: tile
+                # (planner/tiling.py)
+                header = Plan(model=type(model).__name__, model_fingerprint=fingerprint,
+                              input_shapes=[list(s) for s in shapes], amp=amp,
+                              budget_bytes=budget_bytes, strategy=strategy)
+                chosen, tiled_smallest = _tiled(model, shapes, amp, prof.graph, stages,
+                                                options, budget_bytes, check, header)
+                smallest = min(smallest, tiled_smallest)
         if chosen is None:
             raise InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
@@ -284,8 +286,8 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
     return best
 
 
-def layout_regions(stages: StageModel, layout: Any, recomputable: list[bool] | None = None
-                   ) -> list[Region]:
+def layout_regions(stages: StageModel, layout: Layout,
+                   recomputable: list[bool] | None = None) -> list[Region]:
     """A tiling layout as plan regions: its stages tiled (and fused), every other stage
     recomputed where it may be (NOTE [ Tiling layouts ] rule 4)."""
     ok = recomputable or [True] * len(stages.stages)
@@ -300,7 +302,7 @@ def layout_regions(stages: StageModel, layout: Any, recomputable: list[bool] | N
     return regions
 
 
-def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, graph: Any,
+def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, graph: CostGraph,
            stages: StageModel, options: PlannerOptions, budget: int,
            check: Callable[[Plan], Plan], header: Plan) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
@@ -311,15 +313,13 @@ def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, gra
     (``nn/tiling/probe.py``)."""
     from remat3d.nn.tiling.probe import tileable
     from remat3d.nn.tiling.trace import TilingError
-    from remat3d.planner.tiling import layouts
 
     names = [(st.name, st.call_index) for st in stages.stages]
     ok = tileable(model, shapes, amp, names)
-    recomputable = options.recomputable or [True] * len(stages.stages)
     smallest = 1 << 62
     for layout in layouts(graph, stages, ok):
         candidate = dataclasses.replace(header, regions=layout_regions(stages, layout,
-                                                                       recomputable),
+                                                                       options.recomputable),
                                         notes=[f"tiling layout: {layout.label}"])
         try:
             check(candidate)

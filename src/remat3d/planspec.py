@@ -140,6 +140,11 @@ class Plan:
         for region in self.regions:
             region.check()
 
+    @property
+    def tiled(self) -> bool:
+        """Whether any region runs tiled (its extra FLOPs are then more than recomputation)."""
+        return any(r.decision == "tile" for r in self.regions)
+
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -197,7 +202,7 @@ class Plan:
                 lines.append(f"  {label} {format_bytes(value)}")
         if self.recompute_flops is not None:
             lines.append(f"  recompute {_flops(self.recompute_flops, self.step_flops)}")
-        if self.extra_flops is not None and any(r.decision == "tile" for r in self.regions):
+        if self.extra_flops is not None and self.tiled:
             lines.append(f"  extra FLOPs (recompute, tile passes, halos) "
                          f"{_flops(self.extra_flops, self.step_flops)}")
         for region in self.regions:

@@ -163,8 +163,8 @@ def _check(preset: str, size: int, tiles: tuple) -> None:
                     continue  # zero in exact arithmetic: no relative accuracy to compare
                 reduction = what.startswith("reduction")
                 bound = (1e-3 if kink else 1e-4) if reduction else 1e-5
-                near = _trimmed(t, u) if not reduction else _norm_error(t, u)
                 error = _norm_error if reduction else _trimmed
+                near = error(t, u)
                 assert near <= bound or error(t, e) <= 3 * error(u, e) + 1e-6, \
                     (*where, "fp32", what, near, error(t, e), error(u, e))
 
