@@ -56,7 +56,7 @@ def test_offload_never_raises_the_smallest_feasible_budget(basicunet):
 
 
 def test_plan_is_verified_and_describes_itself(basicunet):
-    p = remat3d.plan(basicunet, SHAPE, budget="0.9x", amp="bf16")
+    p = remat3d.plan(basicunet, SHAPE, budget="0.8x", amp="bf16")
     assert p.strategy == "optimal" and p.amp == "bf16" and p.input_shapes == [list(SHAPE)]
     assert p.verified_peak_bytes <= p.budget_bytes
     assert p.model_fingerprint and p.regions
@@ -98,7 +98,7 @@ def test_a_plan_applies_to_the_real_model_and_stays_exact():
     torch.manual_seed(0)
     model = zoo.build_model("segresnet")
     x = torch.randn(1, 1, 32, 32, 32)
-    p = remat3d.plan(model, tuple(x.shape), budget="0.9x")
+    p = remat3d.plan(model, tuple(x.shape), budget="0.8x")
     assert p.regions
     from tests.runtime.exactness import assert_exact
 

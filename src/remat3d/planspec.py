@@ -124,8 +124,9 @@ class Plan:
     strategy: str = "manual"
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
     host_budget_bytes: int | None = None  # None: no limit on host memory for offload
-    # save concatenations for backward as their parts (runtime/concat.py) outside regions
-    share_concat: bool = True
+    # outside regions, save cheap ops' outputs (norms, activations, upsampling, skip sums,
+    # concatenations) as recipes that rebuild them in backward (runtime/rebuild.py)
+    rebuild_saved: bool = True
     predicted_peak_bytes: int | None = None
     verified_peak_bytes: int | None = None
     recompute_flops: int | None = None
@@ -160,6 +161,8 @@ class Plan:
                 "Re-create the plan with this version (remat3d plan ...)."
             )
         names = {f.name for f in fields(cls)}
+        if "share_concat" in data:  # written before concatenations became recipes
+            data = {k: v for k, v in data.items() if k != "share_concat"}
         unknown = sorted(set(data) - names - {"schema"})
         if unknown:
             raise PlanError(f"Unknown plan field(s): {', '.join(unknown)}.")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 from remat3d.planspec import Plan, PlanError, Region
-from remat3d.runtime.concat import ConcatRecorder, SharedConcat
 from remat3d.runtime.offload import HostUsage, OffloadHooks
+from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
 from remat3d.runtime.region import RegionStats, _checkpoint
 from remat3d.runtime.state import is_recomputing, register_module_names
 
@@ -185,44 +186,59 @@ def _start_step(state: AppliedPlan) -> Callable[..., None]:
 
 
 class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
-    """Note which module saves what outside regions (for ``report``); keeps the tensor."""
+    """Note which module saves what outside regions (for ``report``); keeps the tensor,
+    or the recipe that rebuilds it (runtime/rebuild.py)."""
 
     def __init__(self, state: AppliedPlan) -> None:
         from remat3d.runtime.guards import ModuleStack
 
         self.state = state
         self.modules = ModuleStack()
-        self.params = {id(p.untyped_storage()) for p in state.model.parameters()}
-        self.concats = ConcatRecorder() if state.plan.share_concat else None
+        self.kept: dict[int, Any] = {}  # storage id -> weakref: saved by now
+        for t in (*state.model.parameters(), *state.model.buffers()):
+            self._keep(t)
+        self.recipes = (RebuildRecorder(self._is_kept) if state.plan.rebuild_saved
+                        else None)
         super().__init__(self._pack, _unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor | SharedConcat:
-        shared = self.concats.shared(t) if self.concats is not None else None
+    def _keep(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self.kept[id(storage)] = weakref.ref(storage)
+
+    def _is_kept(self, storage_id: int) -> bool:
+        ref = self.kept.get(storage_id)
+        return ref is not None and ref() is not None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | Rebuilt:
+        rebuilt = self.recipes.rebuilt(t) if self.recipes is not None else None
+        saved: torch.Tensor | Rebuilt = t if rebuilt is None else rebuilt
+        stored = (t,) if rebuilt is None else tuple(rebuilt.leaves)
         log = self.state.saved
-        for stored in shared.parts if shared is not None else (t,):
-            key = id(stored.untyped_storage())
-            if key not in self.params and key not in log.seen:
+        for tensor in stored:
+            key = id(tensor.untyped_storage())
+            if not self._is_kept(key) and key not in log.seen:
                 log.seen.add(key)
                 name = self.modules.current()
                 log.by_module[name] = (log.by_module.get(name, 0)
-                                       + stored.untyped_storage().nbytes())
-        return shared if shared is not None else t
+                                       + tensor.untyped_storage().nbytes())
+            self._keep(tensor)
+        return saved
 
     def __enter__(self) -> Any:
         self.modules.__enter__()
-        if self.concats is not None:
-            self.concats.__enter__()
+        if self.recipes is not None:
+            self.recipes.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        if self.concats is not None:
-            self.concats.__exit__(*exc)
+        if self.recipes is not None:
+            self.recipes.__exit__(*exc)
         self.modules.__exit__(*exc)
 
 
-def _unpack(saved: torch.Tensor | SharedConcat) -> torch.Tensor:
-    return saved.unpack() if isinstance(saved, SharedConcat) else saved
+def _unpack(saved: torch.Tensor | Rebuilt) -> torch.Tensor:
+    return saved if isinstance(saved, torch.Tensor) else saved.unpack()
 
 
 def _start_log(state: AppliedPlan) -> Callable[..., None]:

@@ -1,0 +1,330 @@
+"""Saved tensors rebuilt from cheap ops instead of stored.
+
+NOTE [ Rebuilt saved tensors ]
+  In a kept (not recomputed) block, autograd saves every intermediate its backward reads:
+  a norm's output after an in-place activation (read by the next convolution), the sum of
+  an upsampled decoder input and a skip connection (read by the next norm), a
+  concatenation. Each is a full-resolution tensor computed from other tensors that are
+  kept anyway, by ops that cost no FLOPs. Outside recompute regions, while a planned model
+  runs forward:
+  1. :class:`RebuildRecorder` (a ``TorchDispatchMode``) notes, for the output of every
+     *cheap* aten op, a :class:`Recipe`: the op and its arguments, where an argument that
+     is itself a cheap op's output points at that op's recipe, and any other tensor (a
+     convolution's output, a parameter) is a *leaf*. Cheap means: no FLOP formula
+     (``instrument/flops.py``: not a convolution/matmul), no RNG
+     (``nondeterministic_seeded``), no side effects (no ``out=``, no write into anything
+     but its own first argument, no BatchNorm with running statistics), one device, plain
+     tensors. Leaves are held weakly, except leaves at most a quarter of the output's size
+     (the low-resolution input of an upsampling), which the recipe keeps.
+  2. When autograd saves such an output, the saved-tensor hook computes what storing the
+     recipe instead would keep alive: its leaves that are not saved already (by autograd,
+     as a region's input, or as a parameter). If that is at most half the tensor's bytes,
+     (and rule 3's replay bound holds) the recipe is saved, holding its leaves; the tensor itself is freed when forward is
+     done with it, and every leaf is checked to be alive, at its recorded version, now.
+  3. When backward reads the saved tensor (only then: not when the block's backward
+     starts), the recipe replays its ops under ``no_grad`` from the leaves — the same
+     aten ops on the same values, so bitwise what was saved. The replay runs the chain
+     in forward order (an in-place op after every reader of the value it overwrites) and
+     frees each intermediate after its last use; a recipe is saved only if that replay
+     holds at most three times the tensor's bytes at once (PyTorch's decomposed deterministic
+     trilinear upsampling holds a dozen: it is stored instead). A tensor still alive from
+     an earlier unpack is returned again instead of being rebuilt twice.
+  4. A leaf modified in place after the recipe was saved would rebuild a different
+     tensor: its version counter is checked when unpacking and the step fails with
+     :class:`StaleRebuildError` naming the op, instead of computing a wrong gradient.
+     (Plans are verified by running them on the meta device, so such a model fails when
+     it is planned.)
+  Cost: the cheap ops run again in backward (memory traffic, no FLOPs: the plan's
+  ``recompute_flops`` does not change). ``Plan(rebuild_saved=False)`` turns this off.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["RebuildRecorder", "Rebuilt", "Recipe", "StaleRebuildError"]
+
+_UNINITIALISED = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
+                  "empty_permuted")
+_Key = tuple[int, tuple[int, ...], tuple[int, ...], int, torch.dtype]
+
+
+class StaleRebuildError(RuntimeError):
+    """A tensor a saved recipe rebuilds from was modified in place before backward."""
+
+
+def _plain(t: Any) -> bool:
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _key(t: torch.Tensor, version: int) -> _Key:
+    return (version, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _Leaf:
+    """A tensor a recipe starts from, with the version it had when the op read it."""
+
+    __slots__ = ("nbytes", "ref", "storage", "strong", "version")
+
+    def __init__(self, t: torch.Tensor, keep: bool) -> None:
+        self.version = t._version
+        self.nbytes = _nbytes(t)
+        self.storage = id(t.untyped_storage())
+        # the tensor itself: an alias made here, below autograd, would get its own version
+        # counter, and a later in-place write into ``t`` would go unnoticed (rule 4)
+        self.strong: torch.Tensor | None = t if keep else None
+        self.ref = weakref.ref(t) if not keep else None
+
+    def get(self) -> torch.Tensor | None:
+        if self.strong is not None:
+            return self.strong
+        assert self.ref is not None
+        return self.ref()
+
+
+class Recipe:
+    """One cheap op: how to compute its outputs again (NOTE rule 1)."""
+
+    __slots__ = ("__weakref__", "func", "last", "new_bytes", "order", "sequence", "sources",
+                 "spec")
+
+    def __init__(self, func: Any, spec: Any, sources: list[Any], sequence: int,
+                 new_bytes: int) -> None:
+        self.func = func
+        self.spec = spec  # the pytree of (args, kwargs)
+        self.sources = sources  # flat leaves: (Recipe, index) | _Leaf | constant
+        self.sequence = sequence  # when it ran in forward
+        self.new_bytes = new_bytes  # outputs not aliasing an input (views, in-place: 0)
+        self.order: list[Recipe] | None = None
+        self.last: dict[int, tuple[Any, int]] = {}  # output index -> (weakref, version)
+
+    def parents(self) -> list[Recipe]:
+        seen: dict[int, Recipe] = {}
+        for source in self.sources:
+            if isinstance(source, tuple) and isinstance(source[0], Recipe):
+                seen.setdefault(id(source[0]), source[0])
+        return list(seen.values())
+
+    def chain(self) -> list[Recipe]:
+        """Every recipe this one needs, itself last, in forward order: an in-place op
+        then runs after everything that read the value it overwrites, as in forward."""
+        if self.order is None:
+            found: dict[int, Recipe] = {}
+            stack = [self]
+            while stack:
+                recipe = stack.pop()
+                if id(recipe) not in found:
+                    found[id(recipe)] = recipe
+                    stack += recipe.parents()
+            self.order = sorted(found.values(), key=lambda r: r.sequence)
+        return self.order
+
+    def leaves(self) -> list[_Leaf]:
+        """Every leaf below this recipe, once each."""
+        found: dict[int, _Leaf] = {}
+        for recipe in self.chain():
+            for source in recipe.sources:
+                if isinstance(source, _Leaf):
+                    found.setdefault(id(source), source)
+        return list(found.values())
+
+    def replay_peak(self) -> int:
+        """Bytes the replay holds at once (rule 3 frees each value after its last use)."""
+        uses = _uses(self.chain())
+        live = peak = 0
+        for recipe in self.chain():
+            live += recipe.new_bytes
+            peak = max(peak, live)
+            for parent in recipe.parents():
+                uses[id(parent)] -= 1
+                if uses[id(parent)] == 0:
+                    live -= parent.new_bytes
+        return peak
+
+    def run(self, held: dict[int, torch.Tensor]) -> Any:
+        """This op's outputs, replayed from the leaves ``held`` (by id of their
+        :class:`_Leaf`), each intermediate freed after its last use (NOTE rule 3)."""
+        order = self.chain()
+        uses = _uses(order)
+        values: dict[int, list[Any]] = {}
+        out: Any = None
+        for recipe in order:
+            flat = []
+            for source in recipe.sources:
+                if isinstance(source, tuple) and isinstance(source[0], Recipe):
+                    flat.append(values[id(source[0])][source[1]])
+                elif isinstance(source, _Leaf):
+                    flat.append(_leaf_value(source, held.get(id(source)), recipe.func))
+                else:
+                    flat.append(source)
+            args, kwargs = tree_unflatten(flat, recipe.spec)
+            out = recipe.func(*args, **kwargs)
+            values[id(recipe)] = tree_flatten(out)[0]
+            for parent in recipe.parents():
+                uses[id(parent)] -= 1
+                if uses[id(parent)] == 0:
+                    del values[id(parent)]
+        return out
+
+
+def _uses(order: list[Recipe]) -> dict[int, int]:
+    uses = {id(r): 0 for r in order}
+    uses[id(order[-1])] = 1  # the result itself
+    for recipe in order:
+        for parent in recipe.parents():
+            uses[id(parent)] += 1
+    return uses
+
+
+def _leaf_value(leaf: _Leaf, t: torch.Tensor | None, func: Any) -> torch.Tensor:
+    if t is None or t._version != leaf.version:
+        raise StaleRebuildError(
+            f"A tensor that remat3d rebuilds a saved activation from (the input of "
+            f"{func}) was modified in place, or freed, before the backward used it. "
+            "Remove the in-place op, or apply the plan with Plan(rebuild_saved=False).")
+    return t
+
+
+class Rebuilt:
+    """What is saved instead of a tensor: the recipe that rebuilds it (NOTE rule 2)."""
+
+    __slots__ = ("held", "index", "recipe")
+
+    def __init__(self, recipe: Recipe, index: int, leaves: list[_Leaf]) -> None:
+        self.recipe = recipe
+        self.index = index
+        # hold every leaf from now on (rule 2); the tensors themselves, whose version
+        # counters rule 4 checks (only read under no_grad)
+        self.held = {id(leaf): t for leaf in leaves if (t := leaf.get()) is not None}
+
+    @property
+    def leaves(self) -> list[torch.Tensor]:
+        return list(self.held.values())
+
+    def unpack(self) -> torch.Tensor:
+        last = self.recipe.last.get(self.index)
+        if last is not None:
+            value = last[0]()
+            if value is not None and value._version == last[1]:
+                return value  # still alive from the previous unpack: one copy, not two
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            value = tree_flatten(self.recipe.run(self.held))[0][self.index]
+        self.recipe.last[self.index] = (weakref.ref(value), value._version)
+        return value
+
+
+def _cheap(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    if func._overloadpacket in flop_registry or "out" in kwargs:
+        return False
+    if torch.Tag.nondeterministic_seeded in func.tags or func.__name__.split(".")[0] in \
+            _UNINITIALISED:
+        return False
+    name = func.__name__
+    if "batch_norm" in name and any(a is not None for a in args[3:5]):
+        return False  # running statistics are updated as a side effect
+    schema = func._schema
+    for i, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is not None and info.is_write and i != 0:
+            return False
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    if not tensors or not all(_plain(t) for t in tensors):
+        return False
+    device = tensors[0].device
+    return all(t.device == device for t in tensors)
+
+
+class RebuildRecorder(TorchDispatchMode):
+    """NOTE rule 1: recipes for the outputs of cheap ops, while those outputs live."""
+
+    def __init__(self, kept: Callable[[int], bool]) -> None:
+        super().__init__()
+        self._kept = kept  # storage id -> saved already (or a parameter/buffer)
+        self._table: dict[int, tuple[Any, dict[_Key, tuple[Recipe, int]]]] = {}
+        self._sequence = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and _cheap(func, args, kwargs, out):
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _lookup(self, t: torch.Tensor, version: int) -> tuple[Recipe, int] | None:
+        storage = t.untyped_storage()
+        entry = self._table.get(id(storage))
+        if entry is None or entry[0]() is not storage:
+            return None
+        return entry[1].get(_key(t, version))
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        schema = func._schema
+        inplace = bool(schema.arguments) and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        largest = max(_nbytes(t) for t in outputs)
+        flat, spec = tree_flatten((args, kwargs))
+        sources: list[Any] = []
+        for i, value in enumerate(flat):
+            if not isinstance(value, torch.Tensor):
+                sources.append(value)
+                continue
+            found = self._lookup(value, value._version)
+            if found is not None:
+                sources.append(found)
+            elif inplace and i == 0:
+                return  # an in-place op on a tensor we cannot rebuild
+            else:
+                sources.append(_Leaf(value, keep=4 * _nbytes(value) <= largest))
+        inputs = {id(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
+        new_bytes = sum(_nbytes(t) for t in {id(t.untyped_storage()): t for t in outputs
+                                             if id(t.untyped_storage()) not in inputs
+                                             }.values())
+        self._sequence += 1
+        recipe = Recipe(func, spec, sources, self._sequence, new_bytes)
+        for index, t in enumerate(tree_flatten(out)[0]):
+            if not isinstance(t, torch.Tensor):
+                continue
+            # an in-place op's version is bumped after this mode returns
+            version = t._version + (1 if inplace and t is args[0] else 0)
+            storage = t.untyped_storage()
+            entry = self._table.get(id(storage))
+            if entry is None or entry[0]() is not storage:
+                key = id(storage)
+                entry = (weakref.ref(storage), {})
+                self._table[key] = entry
+                weakref.finalize(storage, self._table.pop, key, None)
+            entry[1][_key(t, version)] = (recipe, index)
+
+    def rebuilt(self, t: torch.Tensor) -> Rebuilt | None:
+        """The recipe to save instead of ``t``, if it keeps at most half of ``t``'s bytes
+        alive that would not be alive anyway (NOTE rule 2)."""
+        if not _plain(t):
+            return None
+        found = self._lookup(t, t._version)
+        if found is None:
+            return None
+        recipe, index = found
+        leaves = recipe.leaves()
+        cost, counted = 0, set()
+        for leaf in leaves:
+            value = leaf.get()
+            if value is None or value._version != leaf.version:
+                return None
+            if leaf.storage not in counted and not self._kept(leaf.storage):
+                counted.add(leaf.storage)
+                cost += leaf.nbytes
+        if 2 * cost > _nbytes(t) or recipe.replay_peak() > 3 * _nbytes(t):
+            return None
+        return Rebuilt(recipe, index, leaves)
