@@ -143,7 +143,9 @@ def plan(
     """
     shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x) for x in inputs]
     fingerprint = model_fingerprint(model)
-    key = (fingerprint, tuple(shapes), amp, budget, strategy, offload, tile)
+    # deterministic algorithms change which kernels (and temporaries) some ops use on meta
+    key = (fingerprint, tuple(shapes), amp, budget, strategy, offload, tile,
+           torch.are_deterministic_algorithms_enabled())
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
