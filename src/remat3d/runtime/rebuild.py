@@ -252,7 +252,17 @@ class RebuildRecorder(TorchDispatchMode):
         super().__init__()
         self._kept = kept  # storage id -> saved already (or a parameter/buffer)
         self._table: dict[int, tuple[Any, dict[_Key, tuple[Recipe, int]]]] = {}
+        self._finalizers: list[weakref.finalize] = []
         self._sequence = 0
+
+    def __exit__(self, *exc: object) -> None:
+        # forward is over: saved recipes hold what they need; forget the rest (storages
+        # that outlive the step, such as parameters, would otherwise keep the table)
+        super().__exit__(*exc)
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+        self._table.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -304,7 +314,7 @@ class RebuildRecorder(TorchDispatchMode):
                 key = id(storage)
                 entry = (weakref.ref(storage), {})
                 self._table[key] = entry
-                weakref.finalize(storage, self._table.pop, key, None)
+                self._finalizers.append(weakref.finalize(storage, self._table.pop, key, None))
             entry[1][_key(t, version)] = (recipe, index)
 
     def rebuilt(self, t: torch.Tensor) -> Rebuilt | None:
