@@ -53,6 +53,7 @@ __all__ = ["RebuildRecorder", "Rebuilt", "Recipe", "StaleRebuildError"]
 
 _UNINITIALISED = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                   "empty_permuted")
+_MAX_DEPTH = 16  # replays stay short: a longer chain starts from a kept tensor
 _Key = tuple[int, tuple[int, ...], tuple[int, ...], int, torch.dtype]
 
 
@@ -96,8 +97,8 @@ class _Leaf:
 class Recipe:
     """One cheap op: how to compute its outputs again (NOTE rule 1)."""
 
-    __slots__ = ("__weakref__", "func", "last", "new_bytes", "order", "sequence", "sources",
-                 "spec")
+    __slots__ = ("__weakref__", "depth", "func", "last", "new_bytes", "order", "sequence",
+                 "sources", "spec")
 
     def __init__(self, func: Any, spec: Any, sources: list[Any], sequence: int,
                  new_bytes: int) -> None:
@@ -108,6 +109,7 @@ class Recipe:
         self.new_bytes = new_bytes  # outputs not aliasing an input (views, in-place: 0)
         self.order: list[Recipe] | None = None
         self.last: dict[int, tuple[Any, int]] = {}  # output index -> (weakref, version)
+        self.depth = 1 + max((p.depth for p in self.parents()), default=0)
 
     def parents(self) -> list[Recipe]:
         seen: dict[int, Recipe] = {}
@@ -291,6 +293,8 @@ class RebuildRecorder(TorchDispatchMode):
                 sources.append(value)
                 continue
             found = self._lookup(value, value._version)
+            if found is not None and found[0].depth >= _MAX_DEPTH:
+                found = None  # a long chain of cheap ops (a residual stream): start anew
             if found is not None:
                 sources.append(found)
             elif inplace and i == 0:
@@ -320,8 +324,8 @@ class RebuildRecorder(TorchDispatchMode):
     def rebuilt(self, t: torch.Tensor) -> Rebuilt | None:
         """The recipe to save instead of ``t``, if it keeps at most half of ``t``'s bytes
         alive that would not be alive anyway (NOTE rule 2)."""
-        if not _plain(t):
-            return None
+        if not _plain(t) or t.numel() * t.element_size() != _nbytes(t):
+            return None  # (a slice frees nothing while its base lives)
         found = self._lookup(t, t._version)
         if found is None:
             return None
