@@ -109,7 +109,7 @@ class Recipe:
         self.new_bytes = new_bytes  # outputs not aliasing an input (views, in-place: 0)
         self.order: list[Recipe] | None = None
         self.last: dict[int, tuple[Any, int]] = {}  # output index -> (weakref, version)
-        self.depth = 1 + max((p.depth for p in self.parents()), default=0)
+        self.depth: int = 1 + max((p.depth for p in self.parents()), default=0)
 
     def parents(self) -> list[Recipe]:
         seen: dict[int, Recipe] = {}
