@@ -30,14 +30,14 @@ def sweep(name: str, points: int = 20):
 @pytest.mark.parametrize("name", ["nnunet", "basicunet", "segresnet", "swinunetr"])
 def test_sweep_keeps_every_budget(name):
     rows, blocks, unplanned = sweep(name)
+    print(f"\n{name}: unplanned {unplanned.peak_bytes} blocks peak "
+          f"{blocks.verified_peak_bytes} (+{100 * blocks.recompute_flops / unplanned.flops:.1f}%)")
+    for budget, peak, overhead in rows:
+        print(f"  budget {budget:>14,} peak {peak:>14,} recompute +{100 * overhead:6.3f}%")
     violations = [(b, p) for b, p, _ in rows if p > b]
     assert not violations
     overheads = [o for _, _, o in rows]
     assert overheads == sorted(overheads, reverse=True)
-    print(f"\n{name}: unplanned {unplanned.peak_bytes} blocks peak "
-          f"{blocks.verified_peak_bytes} (+{100 * blocks.recompute_flops / unplanned.flops:.1f}%)")
-    for budget, peak, overhead in rows:
-        print(f"  budget {budget:>14,} peak {peak:>14,} recompute +{100 * overhead:5.1f}%")
 
 
 @pytest.mark.slow

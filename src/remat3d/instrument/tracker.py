@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from remat3d.instrument.flops import op_flops
 from remat3d.instrument.invocations import Invocation, InvocationRecorder
 from remat3d.instrument.ledger import StorageLedger, StorageRecord
+from remat3d.runtime.state import is_recomputing
 
 __all__ = ["PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
 
@@ -203,7 +204,9 @@ class MemoryTracker(TorchDispatchMode):
     def _op_phase(self) -> str:
         if self.phase == "forward":
             return "forward"
-        if self.invocations is not None and self.invocations._stack:
+        # inside a module called during backward, or in a recomputation whose own ops run
+        # outside any submodule (a region's forward body: attention's matmuls)
+        if (self.invocations is not None and self.invocations._stack) or is_recomputing():
             return "recompute"
         return self.phase
 
