@@ -37,7 +37,9 @@ def test_sweep_keeps_every_budget(name):
     violations = [(b, p) for b, p, _ in rows if p > b]
     assert not violations
     overheads = [o for _, _, o in rows]
-    assert overheads == sorted(overheads, reverse=True)
+    assert overheads == sorted(overheads, reverse=True)  # more memory: never more recompute
+    peaks = [p for _, p, _ in rows]
+    assert peaks == sorted(peaks)  # ... and a smaller budget never a larger peak
 
 
 @pytest.mark.slow
