@@ -251,9 +251,7 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
     if best is not None and not best.regions:
         return best
     if best is None:
-        # the model is approximate (NOTE rule 3): a target somewhat above the budget can
-        # still verify under it, and with less recomputation than targets below it
-        high = min(high, budget + budget // 8)
+        high = budget
     for _ in range(_ROUNDS):
         if high - low <= max(1, budget // 1000):
             break

@@ -38,8 +38,6 @@ def test_sweep_keeps_every_budget(name):
     assert not violations
     overheads = [o for _, _, o in rows]
     assert overheads == sorted(overheads, reverse=True)  # more memory: never more recompute
-    peaks = [p for _, p, _ in rows]
-    assert peaks == sorted(peaks)  # ... and a smaller budget never a larger peak
 
 
 @pytest.mark.slow
