@@ -18,9 +18,10 @@ NOTE [ Rebuilt saved tensors ]
      (the low-resolution input of an upsampling), which the recipe keeps.
   2. When autograd saves such an output, the saved-tensor hook computes what storing the
      recipe instead would keep alive: its leaves that are not saved already (by autograd,
-     as a region's input, or as a parameter). If that is at most half the tensor's bytes,
-     (and rule 3's replay bound holds) the recipe is saved, holding its leaves; the tensor itself is freed when forward is
-     done with it, and every leaf is checked to be alive, at its recorded version, now.
+     as a region's input, or as a parameter). If that is at most half the tensor's bytes
+     (and rule 3's replay bound holds), the recipe is saved, holding its leaves; the
+     tensor itself is freed when forward is done with it, and every leaf is checked to be
+     alive, at its recorded version, now.
   3. When backward reads the saved tensor (only then: not when the block's backward
      starts), the recipe replays its ops under ``no_grad`` from the leaves — the same
      aten ops on the same values, so bitwise what was saved. The replay runs the chain
@@ -97,8 +98,8 @@ class _Leaf:
 class Recipe:
     """One cheap op: how to compute its outputs again (NOTE rule 1)."""
 
-    __slots__ = ("__weakref__", "depth", "func", "last", "new_bytes", "order", "sequence",
-                 "sources", "spec")
+    __slots__ = ("__weakref__", "depth", "func", "last", "new_bytes", "order", "parents",
+                 "sequence", "sources", "spec")
 
     def __init__(self, func: Any, spec: Any, sources: list[Any], sequence: int,
                  new_bytes: int) -> None:
@@ -109,14 +110,14 @@ class Recipe:
         self.new_bytes = new_bytes  # outputs not aliasing an input (views, in-place: 0)
         self.order: list[Recipe] | None = None
         self.last: dict[int, tuple[Any, int]] = {}  # output index -> (weakref, version)
-        self.depth: int = 1 + max((p.depth for p in self.parents()), default=0)
-
-    def parents(self) -> list[Recipe]:
+        # the recipes this one reads, once each (sources never change: found once here,
+        # not on every replay)
         seen: dict[int, Recipe] = {}
-        for source in self.sources:
+        for source in sources:
             if isinstance(source, tuple) and isinstance(source[0], Recipe):
                 seen.setdefault(id(source[0]), source[0])
-        return list(seen.values())
+        self.parents: tuple[Recipe, ...] = tuple(seen.values())
+        self.depth: int = 1 + max((p.depth for p in self.parents), default=0)
 
     def chain(self) -> list[Recipe]:
         """Every recipe this one needs, itself last, in forward order: an in-place op
@@ -128,7 +129,7 @@ class Recipe:
                 recipe = stack.pop()
                 if id(recipe) not in found:
                     found[id(recipe)] = recipe
-                    stack += recipe.parents()
+                    stack += recipe.parents
             self.order = sorted(found.values(), key=lambda r: r.sequence)
         return self.order
 
@@ -148,7 +149,7 @@ class Recipe:
         for recipe in self.chain():
             live += recipe.new_bytes
             peak = max(peak, live)
-            for parent in recipe.parents():
+            for parent in recipe.parents:
                 uses[id(parent)] -= 1
                 if uses[id(parent)] == 0:
                     live -= parent.new_bytes
@@ -173,7 +174,7 @@ class Recipe:
             args, kwargs = tree_unflatten(flat, recipe.spec)
             out = recipe.func(*args, **kwargs)
             values[id(recipe)] = tree_flatten(out)[0]
-            for parent in recipe.parents():
+            for parent in recipe.parents:
                 uses[id(parent)] -= 1
                 if uses[id(parent)] == 0:
                     del values[id(parent)]
@@ -184,7 +185,7 @@ def _uses(order: list[Recipe]) -> dict[int, int]:
     uses = {id(r): 0 for r in order}
     uses[id(order[-1])] = 1  # the result itself
     for recipe in order:
-        for parent in recipe.parents():
+        for parent in recipe.parents:
             uses[id(parent)] += 1
     return uses
 
