@@ -4,10 +4,12 @@ NOTE [ The budget is a promise ]
   1. The strategy solves on the stage model (``planner/stages.py``), which predicts.
   2. The plan is then replayed through the real executor on the meta device under the
      tracker; that verified peak is what is compared with the budget and stored in the plan.
-  3. For ``optimal``, a verified peak above the budget tightens the model's budget by the
-     excess and solves again (a few rounds at most); if no round fits, or the budget is
-     below the smallest peak any plan reaches, the error names the smallest feasible budget
-     (itself verified).
+  3. For ``optimal``, the model's budget is a search variable: targets are bisected, each
+     plan verified, and the cheapest that fits is pruned one verified step at a time
+     (``_search``, ``_prune``). The model errs both ways, so when its plan at the budget
+     does not fit, targets somewhat above the budget are tried too. If nothing fits, or
+     the budget is below the smallest peak any plan reaches, the error names the smallest
+     feasible budget (itself verified).
 """
 
 from __future__ import annotations
@@ -196,9 +198,10 @@ def plan(
     if strategy != "optimal":
         chosen = make(budget_bytes)
     else:
-        chosen = _search(stages, budget_bytes, options, make, build, verify)
-        if chosen is not None and verify:
-            chosen = _prune(chosen, budget_bytes, stages, build)
+        seeds = _search(stages, budget_bytes, options, make, build, verify)
+        if verify:
+            seeds = [_prune(seed, budget_bytes, stages, build) for seed in seeds]
+        chosen = min(seeds, key=lambda p: p.recompute_flops or 0) if seeds else None
         if chosen is None:
             smallest = _smallest_feasible(stages, options, make, build)
             if verify and tile:
@@ -232,26 +235,63 @@ def plan(
 
 def _search(stages: StageModel, budget: int, options: PlannerOptions,
             make: Callable[[int], Plan | None], build: Callable[[Decisions], Plan],
-            verify: bool) -> Plan | None:
-    """The cheapest verified plan under ``budget`` (see NOTE rule 3).
+            verify: bool) -> list[Plan]:
+    """The plans that ``_prune`` starts from: the cheapest verified plans under ``budget``
+    (see NOTE rule 3), at most two, cheapest first; empty when none fits.
 
     The model's targets are searched by bisection between the most frugal plan's predicted
     peak and the unplanned one: a larger target allows less recomputation, and each
-    candidate is verified; the cheapest one that fits wins.
+    candidate is verified; the cheapest one that fits wins. When the model's plan at the
+    budget itself does not fit, a second bisection also tries targets up to 1/8 above the
+    budget: the model errs both ways, and such a target can verify under the budget with
+    less recomputation. Its winner is pruned too, beside the first bisection's, because
+    pruning can end cheaper from either.
     """
     first = make(budget)
+    unplanned = max(stages.unplanned_peak, stages.peak([KEEP] * len(stages.stages))) + 1
     if first is not None and (not verify or (first.verified_peak_bytes or 0) <= budget):
-        best = first
-        low = budget  # fits at the real budget: try looser targets only
+        if not first.regions:
+            return [first]
+        # fits at the real budget: try looser targets only
+        seeds = [_bisect(first, budget, unplanned, budget, make)]
     else:
-        best = None
-        low = min_peak(stages, offload=options.offload,
-                       recomputable=options.recomputable)[0]
-    high = max(stages.unplanned_peak, stages.peak([KEEP] * len(stages.stages))) + 1
-    if best is not None and not best.regions:
-        return best
-    if best is None:
-        high = budget
+        frugal = min_peak(stages, offload=options.offload,
+                          recomputable=options.recomputable)[0]
+        seeds = [_bisect(None, frugal, budget, budget, make)]
+        if verify:
+            seeds.append(_bisect(None, frugal, budget + budget // 8, budget, make))
+    # the chain dynamic program's region trees (nested regions, which the MILP does not
+    # choose): its model is approximate, so its target moves by the verified error
+    others: list[Plan] = []
+    if verify:
+        target = budget
+        for _ in range(3):
+            tree = build(get_strategy("recursive")(stages, target, options))
+            peak = tree.verified_peak_bytes or 0
+            if peak <= budget:
+                others.append(tree)
+            if abs(budget - peak) <= max(1, budget // 1000):
+                break
+            target += budget - peak
+    # the fixed strategies and the most frugal plans compete too: optimal never costs more
+    # than any of them at a budget they keep
+    others += [p for p in _candidates(stages, options, make, build)
+               if (p.verified_peak_bytes or 0) <= budget]
+    found: list[Plan] = []
+    for seed in seeds:
+        best = seed
+        for other in others:
+            if best is None or (other.recompute_flops or 0) < (best.recompute_flops or 0):
+                best = other
+        if best is not None and all(best is not f for f in found):
+            found.append(best)
+    return sorted(found, key=lambda p: p.recompute_flops or 0)
+
+
+def _bisect(best: Plan | None, low: int, high: int, budget: int,
+            make: Callable[[int], Plan | None]) -> Plan | None:
+    """The cheapest plan under ``budget`` among the model's plans at targets bisected
+    between ``low`` and ``high`` (a target whose plan fits raises ``low``)."""
     for _ in range(_ROUNDS):
         if high - low <= max(1, budget // 1000):
             break
@@ -266,25 +306,6 @@ def _search(stages: StageModel, budget: int, options: PlannerOptions,
             low = mid
         else:
             high = mid
-    # the chain dynamic program's region trees (nested regions, which the MILP does not
-    # choose): its model is approximate, so its target moves by the verified error
-    if verify:
-        target = budget
-        for _ in range(3):
-            tree = build(get_strategy("recursive")(stages, target, options))
-            peak = tree.verified_peak_bytes or 0
-            if peak <= budget and (best is None or (tree.recompute_flops or 0)
-                                   < (best.recompute_flops or 0)):
-                best = tree
-            if abs(budget - peak) <= max(1, budget // 1000):
-                break
-            target += budget - peak
-    # the fixed strategies and the most frugal plans compete too: optimal never costs more
-    # than any of them at a budget they keep
-    for other in _candidates(stages, options, make, build):
-        if (other.verified_peak_bytes or 0) <= budget and (
-                best is None or (other.recompute_flops or 0) < (best.recompute_flops or 0)):
-            best = other
     return best
 
 

@@ -38,6 +38,8 @@ def test_sweep_keeps_every_budget(name):
     assert not violations
     overheads = [o for _, _, o in rows]
     assert overheads == sorted(overheads, reverse=True)  # more memory: never more recompute
+    peaks = [p for _, p, _ in rows]
+    assert peaks == sorted(peaks)  # and the verified peak never falls as the budget grows
 
 
 @pytest.mark.slow
