@@ -29,7 +29,7 @@ from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.optimal import min_peak
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
-from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, StageModel, build_stages
+from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel, build_stages
 from remat3d.planner.tiling import Layout, layouts
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
@@ -213,6 +213,8 @@ def plan(
                 chosen, tiled_smallest = _tiled(model, shapes, amp, prof.graph, stages,
                                                 options, budget_bytes, check, header)
                 smallest = min(smallest, tiled_smallest)
+                if chosen is not None:
+                    chosen = _prune_regions(chosen, budget_bytes, stages, check)
         if chosen is None:
             raise InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
@@ -420,6 +422,40 @@ def _prune(best: Plan, budget: int, stages: StageModel,
             found = attempt(dropped)
         if found is not None:
             best, decisions = found, dropped
+    return best
+
+
+def _prune_regions(best: Plan, budget: int, stages: StageModel,
+                   check: Callable[[Plan], Plan]) -> Plan:
+    """A tiled plan made cheaper like ``_prune`` does: each recomputed stage, costliest
+    first, is kept instead, else recomputed keeping its convolution outputs, while the
+    verified peak still fits and the extra FLOPs do not grow. So a tiled plan mixes keep,
+    selective recomputation, recomputation and tiling (NOTE [ Tiling layouts ] rule 4 is
+    where it starts). Tiled regions stay as they are.
+
+    Verifying a tiled plan is slow at 512³ (tens of seconds), so a step is only tried
+    when the bytes it would add to the stage's saved tensors, by the stage model, fit in
+    what the budget has left above the verified peak.
+    """
+    by_name = {(st.name, st.call_index): st for st in stages.stages}
+
+    def stage_of(r: Region) -> Stage | None:
+        if r.decision != RECOMPUTE or r.segment or r.policy is not None:
+            return None
+        return by_name.get((r.module, (r.calls or [0])[0]))
+
+    recomputed = [(r, st) for r in best.regions if (st := stage_of(r)) is not None]
+    for region, st in sorted(recomputed, key=lambda pair: -pair[1].fwd_flops):
+        others = [r for r in best.regions if r is not region]
+        selective = dataclasses.replace(region, policy="save-compute-heavy")
+        for decision, trial in ((KEEP, others), (SELECTIVE, [*others, selective])):
+            slack = budget - (best.verified_peak_bytes or 0)
+            if st.kept(decision) - st.kept(RECOMPUTE) > slack:
+                continue
+            candidate = check(dataclasses.replace(best, regions=trial, notes=list(best.notes)))
+            if (candidate.verified_peak_bytes or 0) <= budget and _cost(candidate) <= _cost(best):
+                best = candidate
+                break
     return best
 
 

@@ -4,14 +4,17 @@ recomputation floor (planning._tiled)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import remat3d
 from remat3d.errors import InfeasibleBudgetError
+from remat3d.instrument.step import meta_copy
 from remat3d.planner.stages import build_stages
 from remat3d.planner.tiling import _readers, layouts, stage_levels
+from remat3d.planspec import Region
 from remat3d.profiling import profile
 from tests.tiling.test_fused import TinyUNet, _step, assert_same_step
 
@@ -81,3 +84,25 @@ def test_optimal_tiles_below_the_recomputation_floor() -> None:
     remat3d.apply(tiled, plan)
     x = torch.randn(SHAPE, dtype=torch.float64)
     assert_same_step(_step(net, x), _step(tiled, x), 1e-12)
+
+
+def test_a_tiled_plan_keeps_the_stages_that_still_fit() -> None:
+    """Between the tiled floor and the recompute-only floor, the tiled layout's other
+    stages are kept where the verified peak allows (``planning._prune_regions``): the plan
+    mixes tile and keep, and costs less than the layout that recomputes them."""
+    torch.manual_seed(0)
+    net = TinyUNet()
+    floors = []
+    for tile in (True, False):
+        with pytest.raises(InfeasibleBudgetError) as info:
+            remat3d.plan(net, SHAPE, budget=1, tile=tile)
+        floors.append(info.value.smallest_feasible_bytes)
+    budget = sum(floors) // 2
+    plan = remat3d.plan(net, SHAPE, budget=budget)
+    assert any(r.decision == "tile" for r in plan.regions)
+    assert "inner" not in [r.module for r in plan.regions]  # kept: no region
+    assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= budget
+    layout = dataclasses.replace(plan, regions=[*plan.regions, Region("inner")])
+    recomputed = remat3d.measure(remat3d.apply(meta_copy(net), layout), SHAPE, device="meta")
+    assert plan.extra_flops is not None and plan.step_flops is not None
+    assert plan.step_flops + plan.extra_flops < recomputed.flops

@@ -19,7 +19,10 @@ NOTE [ Tiling layouts ]
      skip connection read by an encoder run and a decoder run is recomputed in both:
      the least memory, the most FLOPs).
   4. Stages that are not tiled are recomputed (regions that keep only their inputs); the
-     planner then verifies each layout on the meta device, cheapest expected first.
+     planner then verifies each layout on the meta device, cheapest expected first, and
+     prunes the first that fits: each recomputed stage, costliest first, is kept (else
+     recomputed keeping its convolution outputs) while the verified peak still fits
+     (``planning._prune_regions``). So a tiled plan mixes tile / recompute / keep.
   5. Expected cost order (cheapest first): fewer levels, then less fusion, then larger
      tiles. Each normalisation inside a run costs extra passes over the run and fusion
      puts more normalisations in a run; smaller tiles add halo overlap. The order is a
