@@ -434,8 +434,9 @@ def _prune_regions(best: Plan, budget: int, stages: StageModel,
     where it starts). Tiled regions stay as they are.
 
     Verifying a tiled plan is slow at 512³ (tens of seconds), so a step is only tried
-    when the bytes it would add to the stage's saved tensors, by the stage model, fit in
-    what the budget has left above the verified peak.
+    for a stage that recomputes at least 1 % of the step's FLOPs, and when the bytes it
+    would add to the stage's saved tensors, by the stage model, fit in what the budget
+    has left above the verified peak.
     """
     by_name = {(st.name, st.call_index): st for st in stages.stages}
 
@@ -444,7 +445,9 @@ def _prune_regions(best: Plan, budget: int, stages: StageModel,
             return None
         return by_name.get((r.module, (r.calls or [0])[0]))
 
-    recomputed = [(r, st) for r in best.regions if (st := stage_of(r)) is not None]
+    floor = (best.step_flops or 0) // 100
+    recomputed = [(r, st) for r in best.regions
+                  if (st := stage_of(r)) is not None and st.fwd_flops >= floor]
     for region, st in sorted(recomputed, key=lambda pair: -pair[1].fwd_flops):
         others = [r for r in best.regions if r is not region]
         selective = dataclasses.replace(region, policy="save-compute-heavy")
