@@ -333,9 +333,9 @@ def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, gra
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
     verified peak fits ``budget``, and the smallest verified peak among those tried.
 
-    Each layout tiles its stages and recomputes every other stage; layouts whose verified
-    peak exceeds the budget are passed over, as are stages that cannot run tiled
-    (``nn/tiling/probe.py``)."""
+    Each layout tiles its stages and recomputes every other stage (``_prune_regions``
+    then keeps what still fits); layouts whose verified peak exceeds the budget are
+    passed over, as are stages that cannot run tiled (``nn/tiling/probe.py``)."""
     from remat3d.nn.tiling.probe import tileable
     from remat3d.nn.tiling.trace import TilingError
 
