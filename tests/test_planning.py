@@ -116,3 +116,39 @@ def test_resolve_budget():
     if not torch.cuda.is_available():
         with pytest.raises(BudgetError, match="no CUDA device"):
             resolve_budget("auto", 1000)
+
+
+def test_search_also_tries_targets_above_the_budget():
+    """The stage model errs both ways (planning NOTE rule 3): when its plan at the budget
+    does not fit, a target above the budget may verify under it with less recomputation.
+    Here the model under-predicts below the budget and over-predicts above it; ``_search``
+    must return both bisections' winners, the one from above the budget first."""
+    from remat3d.planner.optimal import min_peak
+    from remat3d.planner.registry import PlannerOptions
+    from remat3d.planner.stages import build_stages
+    from remat3d.planning import _search
+    from remat3d.planspec import Plan, Region
+    from tests.tiling.test_fused import TinyUNet
+
+    stages = build_stages(remat3d.profile(TinyUNet(), SHAPE, device="meta").graph)
+    budget = min_peak(stages)[0] * 11 // 10  # the second bisection's first target is above
+
+    def make(target: int) -> Plan:
+        # a looser target: less recomputation; verified off by +5 % below, -12 % above
+        error = budget // 20 if target <= budget else -(budget * 12 // 100)
+        p = Plan(regions=[Region(f"t{target}")])
+        p.verified_peak_bytes, p.recompute_flops = target + error, 10**9 - target
+        return p
+
+    def build(decisions) -> Plan:  # type: ignore[no-untyped-def]
+        p = Plan(regions=[Region("fixed")])  # fixed strategies: never fit here
+        p.verified_peak_bytes, p.recompute_flops = 2 * stages.unplanned_peak, 0
+        return p
+
+    seeds = _search(stages, budget, PlannerOptions(), make, build, verify=True)
+    assert len(seeds) == 2
+    assert all(s.verified_peak_bytes <= budget for s in seeds)
+    above, below = seeds  # cheapest first
+    assert above.recompute_flops < below.recompute_flops
+    assert int(below.regions[0].module[1:]) <= budget
+    assert int(above.regions[0].module[1:]) > budget  # its target was above the budget
