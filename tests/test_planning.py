@@ -152,3 +152,24 @@ def test_search_also_tries_targets_above_the_budget():
     assert above.recompute_flops < below.recompute_flops
     assert int(below.regions[0].module[1:]) <= budget
     assert int(above.regions[0].module[1:]) > budget  # its target was above the budget
+
+
+def test_the_plan_cache_tells_apart_what_changes_the_step():
+    """Freezing a layer, changing a convolution's stride or the loss function changes the
+    step's memory: none of them may be answered from the cache of another."""
+    def net(stride: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv3d(1, 8, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.Conv3d(8, 8, 3, padding=1, stride=stride),
+                                   torch.nn.ReLU())
+
+    base = remat3d.plan(net(1), SHAPE, budget="1x", strategy="none")
+    frozen = net(1)
+    frozen[0].requires_grad_(False)
+    no_grad = remat3d.plan(frozen, SHAPE, budget="1x", strategy="none")
+    assert no_grad.step_flops < base.step_flops  # no weight gradient for layer 0
+    strided = remat3d.plan(net(2), SHAPE, budget="1x", strategy="none")
+    assert strided.verified_peak_bytes < base.verified_peak_bytes
+    keep_all = remat3d.plan(net(1), SHAPE, budget="1x", strategy="none",
+                            loss_fn=lambda y: (y * y).sum())  # saves y for backward
+    assert keep_all.verified_peak_bytes > base.verified_peak_bytes
+    assert remat3d.plan(net(1), SHAPE, budget="1x", strategy="none") is base  # still cached

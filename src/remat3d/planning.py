@@ -33,7 +33,7 @@ from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
 from remat3d.planner.tiling import Layout, layouts
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
-from remat3d.runtime.apply import apply, model_fingerprint
+from remat3d.runtime.apply import apply, model_fingerprint, model_signature
 from remat3d.runtime.region import InPlaceInputError
 from remat3d.units import format_bytes, parse_bytes
 
@@ -133,7 +133,9 @@ def plan(
             an error naming the smallest budget without tiling.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
-    Plans are cached by (model structure, input shapes, amp, budget, strategy, offload).
+    Plans are cached by (model structure and settings, input shapes, amp, budget, strategy,
+    offload, tile, loss function, deterministic-algorithms mode): see
+    :func:`remat3d.runtime.apply.model_signature`.
 
     >>> import torch, remat3d
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1),
@@ -145,9 +147,10 @@ def plan(
     """
     shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x) for x in inputs]
     fingerprint = model_fingerprint(model)
-    # deterministic algorithms change which kernels (and temporaries) some ops use on meta
-    key = (fingerprint, tuple(shapes), amp, budget, strategy, offload, tile,
-           torch.are_deterministic_algorithms_enabled())
+    # deterministic algorithms change which kernels (and temporaries) some ops use on meta;
+    # the loss function is part of the step (by identity: a new function plans again)
+    key = (model_signature(model), tuple(shapes), amp, budget, strategy, offload, tile,
+           torch.are_deterministic_algorithms_enabled(), loss_fn)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

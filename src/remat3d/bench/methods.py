@@ -24,7 +24,7 @@ from remat3d import zoo
 from remat3d.errors import InfeasibleBudgetError, Remat3dError
 from remat3d.planning import plan
 from remat3d.planspec import Plan
-from remat3d.runtime.apply import model_fingerprint
+from remat3d.runtime.apply import model_signature
 
 __all__ = [
     "Planned",
@@ -91,7 +91,7 @@ def smallest_feasible(net: nn.Module, shape: tuple[int, ...], amp: str | None,
     ``InfeasibleBudgetError``; the suites compare checkpointing methods) and the
     seconds the search took. Remembered per model structure, shape, amp and offload, so
     a CPU case at a sweep's size reuses the sweep's search (and ``plan``'s cached plan)."""
-    key = (model_fingerprint(net), tuple(shape), amp, offload)
+    key = (model_signature(net), tuple(shape), amp, offload)
     if key not in _SMALLEST_FOUND:
         _SMALLEST_FOUND[key] = _search_smallest(net, shape, amp, offload)
     return _SMALLEST_FOUND[key]
