@@ -173,8 +173,8 @@ def exactness_rows() -> list[dict[str, Any]]:
 
 
 def step_errors(preset: str, size: int, tile: Any, dtype: torch.dtype = torch.float32,
-                reference: str = "untiled") -> dict[str, float]:
-    """Largest relative error per tensor of a tiled CPU step against the untiled one.
+                reference: str = "untiled", device: str = "cpu") -> dict[str, float]:
+    """Largest relative error per tensor of a tiled step on ``device`` against the untiled one.
 
     ``reference="float64"`` compares the *untiled* step in ``dtype`` with the untiled step
     in float64 instead: the network's own rounding noise in ``dtype``, the floor below
@@ -185,9 +185,9 @@ def step_errors(preset: str, size: int, tile: Any, dtype: torch.dtype = torch.fl
     from remat3d.nn.tiling.presets import full_resolution_plan
 
     torch.manual_seed(0)
-    model = zoo.build_model(preset)
+    model = zoo.build_model(preset).to(device)
     model.train()
-    x = torch.randn(1, 1, size, size, size)
+    x = torch.randn(1, 1, size, size, size, device=device)
     other = copy.deepcopy(model)
     if reference == "float64":
         model, x = model.double(), x.double()
@@ -201,7 +201,8 @@ def step_errors(preset: str, size: int, tile: Any, dtype: torch.dtype = torch.fl
         x = x.to(next(net.parameters()).dtype)
         xi = x.clone().requires_grad_(True)
         out = net(xi)
-        seed = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+        seed = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device)
+        seed = seed.reshape(out.shape)
         (out * seed).sum().backward()
         grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
         assert xi.grad is not None

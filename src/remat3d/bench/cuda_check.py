@@ -1,0 +1,372 @@
+"""Check remat3d's predictions on a real CUDA GPU: peaks, offload, step times, exactness.
+
+Run on a machine with a GPU::
+
+    python -m remat3d.bench.cuda_check --plan nnunet:plan.json [--plan ...] \\
+        [--unplanned nnunet:1x1x256x256x256:bf16] --out DIR
+
+Plans are made (and verified on meta) beforehand with ``remat3d plan … -o plan.json``: the
+check measures what they promise. For each plan it builds the preset at the plan's input
+shape on the GPU, applies the plan and runs training steps (loss = mean of the output):
+
+- **allocator peak**: ``torch.cuda.max_memory_allocated()`` over uninstrumented steps
+  after a warm-up step, against the plan's verified (meta) peak and the tracker's peak of
+  the same step on the GPU. The allocator also holds kernel workspaces (cuDNN, cuBLAS)
+  that no tracker sees, so it may sit a little above;
+- **step time**: median wall time of the timed steps (``torch.cuda.synchronize`` around
+  each), and the plan's FLOPs over the unplanned step's.
+
+``--exactness`` adds planned-against-unplanned steps at 64³ on the GPU with
+deterministic algorithms (gradients and buffers compared with ``torch.equal``), and tiled
+against untiled stages in fp32 and fp64. Each result is appended to ``DIR/results.jsonl``
+as soon as it is measured (so a run cut short keeps what it did) and ``DIR/report.md`` is
+rewritten after each. ``--device cpu`` runs the same code on CPU (a dry run at small sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["exactness_row", "main", "planned_row", "tiled_row", "unplanned_row"]
+
+GiB = float(1 << 30)
+
+# planned against unplanned, bitwise: (preset, budget, offload, amp); a budget below the
+# smallest feasible one plans at the smallest (the most recomputation); budget "offload"
+# offloads every block's saved tensors (a 64³ plan would choose none: the peak is elsewhere)
+EXACTNESS = [("nnunet", "0.5x", False, None), ("nnunet", "offload", True, None),
+             ("nnunet", "0.5x", False, "bf16"), ("nnunet", "offload", True, "bf16"),
+             ("segresnet", "0.5x", False, None)]
+# tiled against untiled full-resolution stages: (preset, tile, dtype); 24 does not divide 64
+TILED = [("nnunet", 24, torch.float32), ("nnunet", 24, torch.float64),
+         ("segresnet", 40, torch.float32)]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _allocator_peak(device: str) -> int | None:
+    return int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else None
+
+
+def _measure_steps(model: torch.nn.Module, shape: list[int], amp: str | None, device: str,
+                   repeats: int) -> dict[str, Any]:
+    """Warm-up step, ``repeats`` timed steps (allocator peak over them), one tracked step."""
+    from remat3d.instrument.step import prepare_step, run_step, time_step
+
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device)
+    setup = prepare_step(model, (x,), device, amp, None)
+    _reset_peak(device)
+    warm = time_step(setup, 1)
+    warm_peak = _allocator_peak(device)
+    _reset_peak(device)
+    times = [time_step(setup, 1) for _ in range(repeats)]
+    peak = _allocator_peak(device)
+    tracker = run_step(setup)
+    try:
+        tracker_peak = tracker.peak_bytes
+        flops = sum(tracker.flops.values())
+    finally:
+        tracker.close()
+    return {
+        "warmup_s": warm,
+        "seconds": statistics.median(times),
+        "seconds_all": times,
+        "allocator_peak": peak,
+        "allocator_peak_warmup": warm_peak,
+        "tracker_peak": tracker_peak,
+        "tracker_flops": flops,
+    }
+
+
+def planned_row(preset: str, plan_path: str, device: str, repeats: int) -> dict[str, Any]:
+    """One plan, applied to the preset at the plan's input shape, run on ``device``."""
+    import remat3d
+    from remat3d import zoo
+
+    plan = remat3d.Plan.load(plan_path)
+    shape = list(plan.input_shapes[0])
+    model = zoo.build_model(preset, spatial_size=tuple(shape[2:])).to(device)
+    remat3d.apply(model, plan)
+    tiled = sorted({r.module for r in plan.regions if r.decision == "tile"})
+    row: dict[str, Any] = {
+        "kind": "planned", "preset": preset, "plan": Path(plan_path).name,
+        "shape": shape, "amp": plan.amp, "strategy": plan.strategy,
+        "budget": plan.budget_bytes, "verified_peak": plan.verified_peak_bytes,
+        "predicted_peak": plan.predicted_peak_bytes,
+        "flops_ratio": (1 + plan.extra_flops / plan.step_flops)
+        if plan.extra_flops is not None and plan.step_flops else None,
+        "offload": any(r.decision == "offload" for r in plan.regions),
+        "tiled": tiled,
+    }
+    try:
+        row.update(_measure_steps(model, shape, plan.amp, device, repeats))
+    finally:
+        remat3d.remove(model)
+        del model
+    return row
+
+
+def unplanned_row(preset: str, shape: list[int], amp: str | None, device: str,
+                  repeats: int) -> dict[str, Any]:
+    """The plain step, for the planned rows' time and peak to be read against."""
+    import remat3d
+    from remat3d import zoo
+
+    model = zoo.build_model(preset, spatial_size=tuple(shape[2:])).to(device)
+    meta = remat3d.measure(model, torch.Size(shape), device="meta", amp=amp)
+    row: dict[str, Any] = {
+        "kind": "unplanned", "preset": preset, "plan": "none", "shape": shape, "amp": amp,
+        "strategy": "none", "verified_peak": meta.peak_bytes, "flops_ratio": 1.0,
+        "offload": False, "tiled": [],
+    }
+    row.update(_measure_steps(model, shape, amp, device, repeats))
+    return row
+
+
+def _step_state(model: torch.nn.Module, x: torch.Tensor,
+                amp: str | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    from remat3d.instrument.amp import amp_dtype
+
+    dtype = amp_dtype(amp)
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        loss = model(x).float().mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return grads, [b.clone() for b in model.buffers()]
+
+
+def exactness_row(preset: str, size: int, budget: str, offload: bool, amp: str | None,
+                  device: str) -> dict[str, Any]:
+    """A planned step against the unplanned one on ``device``, deterministic algorithms on:
+    every parameter gradient and buffer compared bitwise. A ``budget`` below the smallest
+    feasible one plans at that smallest budget (the most recomputation)."""
+    import remat3d
+    from remat3d import zoo
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        shape = list(zoo.legal_shape(preset, (1, zoo.get_preset(preset).in_channels,
+                                              size, size, size)))
+        model = zoo.build_model(preset, spatial_size=tuple(shape[2:])).to(device)
+        planned = copy.deepcopy(model)
+        x = torch.randn(shape, device=device)
+        if budget == "offload":
+            blocks = remat3d.profile(model, torch.Size(shape), amp=amp).graph.blocks()
+            plan = remat3d.Plan(regions=[remat3d.Region(module=b.name, decision="offload")
+                                         for b in blocks], offload_min_bytes=0)
+        else:
+            plan = _plan_at_most(model, shape, budget, offload, amp)
+        remat3d.apply(planned, plan)
+        ref_g, ref_b = _step_state(model, x, amp)
+        got_g, got_b = _step_state(planned, x, amp)
+        equal = len(ref_g) == len(got_g) and all(
+            torch.equal(a, b) for a, b in zip(ref_g + ref_b, got_g + got_b))
+        worst = max((((a.double() - b.double()).abs().max()
+                      / b.double().abs().max().clamp_min(1e-30)).item()
+                     for a, b in zip(got_g, ref_g)), default=0.0)
+        return {"kind": "exactness", "preset": preset, "shape": shape, "amp": amp,
+                "budget": budget, "budget_bytes": plan.budget_bytes, "offload": offload,
+                "regions": len(plan.regions),
+                "decisions": sorted({r.decision for r in plan.regions}),
+                "bitwise_equal": equal, "max_rel_grad_diff": worst}
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _plan_at_most(model: torch.nn.Module, shape: list[int], budget: str, offload: bool,
+                  amp: str | None) -> Any:
+    import remat3d
+    from remat3d.errors import InfeasibleBudgetError
+
+    try:
+        return remat3d.plan(model, torch.Size(shape), budget=budget, offload=offload, amp=amp,
+                            tile=False)
+    except InfeasibleBudgetError as exc:  # the heaviest plan: the harder test
+        return remat3d.plan(model, torch.Size(shape), budget=exc.smallest_feasible_bytes,
+                            offload=offload, amp=amp, tile=False)
+
+
+def tiled_row(preset: str, size: int, tile: int, dtype: torch.dtype,
+              device: str) -> dict[str, Any]:
+    """Tiled full-resolution stages against the untiled step (``report_tiling``)."""
+    from remat3d.nn.tiling.report_tiling import split_errors, step_errors
+
+    errors = split_errors(step_errors(preset, size, tile, dtype, device=device))
+    floor = split_errors(step_errors(preset, size, tile, dtype, reference="float64",
+                                     device=device)) if dtype != torch.float64 else None
+    return {"kind": "tiled", "preset": preset, "size": size, "tile": tile,
+            "dtype": str(dtype).replace("torch.", ""), "errors": errors, "noise_floor": floor}
+
+
+def _gib(v: Any) -> str:
+    return "—" if v is None else f"{v / GiB:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    out = [header, ""]
+    steps = [r for r in rows if r["kind"] in ("planned", "unplanned")]
+    if steps:
+        out += [
+            ("| preset | input | amp | plan | tiled stages | offload | verified peak (meta) "
+            "GiB | tracker peak (GPU) GiB | allocator peak GiB | allocator / verified | "
+            "FLOPs × unplanned | step s (median) |"),
+            "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in steps:
+            if "error" in r:
+                out.append(f"| {r['preset']} | {'x'.join(map(str, r['shape']))} | "
+                           f"{r['amp']} | {r['plan']} | | | {_gib(r.get('verified_peak'))} | "
+                           f"failed: {r['error']} | | | | |")
+                continue
+            ratio = (r["allocator_peak"] / r["verified_peak"]
+                     if r.get("allocator_peak") and r.get("verified_peak") else None)
+            flops = "—" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}"
+            out.append(
+                f"| {r['preset']} | {'x'.join(map(str, r['shape']))} | {r['amp']} | "
+                f"{r['plan']} | {len(r['tiled'])} | {'yes' if r['offload'] else 'no'} | "
+                f"{_gib(r['verified_peak'])} | {_gib(r['tracker_peak'])} | "
+                f"{_gib(r['allocator_peak'])} | "
+                f"{'—' if ratio is None else f'{ratio:.3f}'} | "
+                f"{flops} | "
+                f"{r['seconds']:.2f} |")
+        out.append("")
+    exact = [r for r in rows if r["kind"] == "exactness"]
+    if exact:
+        out += [("| preset | input | amp | budget | offload | decisions | gradients and buffers "
+                "bitwise equal | largest relative gradient difference |"),
+                "|---|---|---|---|---|---|---|---:|"]
+        for r in exact:
+            if "error" in r:
+                out.append(f"| {r['preset']} | | {r['amp']} | {r['budget']} | | | "
+                           f"failed: {r['error']} | |")
+                continue
+            out.append(f"| {r['preset']} | {'x'.join(map(str, r['shape']))} | {r['amp']} | "
+                       f"{r['budget']} | {'yes' if r['offload'] else 'no'} | "
+                       f"{', '.join(r['decisions'])} | "
+                       f"{'yes' if r['bitwise_equal'] else 'NO'} | "
+                       f"{r['max_rel_grad_diff']:.1e} |")
+        out.append("")
+    tiled = [r for r in rows if r["kind"] == "tiled"]
+    if tiled:
+        out += [("| preset | size | tile | dtype | output | worst gradient | worst buffer | "
+                "fp32 noise floor (gradients, untiled vs fp64) |"),
+                "|---|---:|---:|---|---:|---:|---:|---:|"]
+        for r in tiled:
+            if "error" in r:
+                out.append(f"| {r['preset']} | {r['size']} | {r['tile']} | {r['dtype']} | "
+                           f"failed: {r['error']} | | | |")
+                continue
+            e, f = r["errors"], r["noise_floor"]
+            buffers = "—" if math.isnan(e["buffers"]) else f"{e['buffers']:.1e}"
+            out.append(f"| {r['preset']} | {r['size']} | {r['tile']} | {r['dtype']} | "
+                       f"{e['output']:.1e} | {e['grads']:.1e} | {buffers} | "
+                       f"{'—' if f is None else format(f['grads'], '.1e')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _parse_shape(text: str) -> list[int]:
+    return [int(v) for v in text.lower().split("x")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", action="append", default=[],
+                        help="PRESET:PLAN.json (repeatable), run in the order given")
+    parser.add_argument("--unplanned", action="append", default=[],
+                        help="PRESET:BxCxDxHxW:AMP (AMP none, bf16 or fp16)")
+    parser.add_argument("--exactness", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--exact-size", type=int, default=64)
+    parser.add_argument("--deadline", type=float, default=math.inf,
+                        help="seconds after which no further case is started")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    if args.device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        total = torch.cuda.get_device_properties(0).total_memory
+        machine = f"{name} ({total / GiB:.1f} GiB)"
+    else:
+        machine = f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+    header = (f"Generated {datetime.date.today()} on {machine}, torch {torch.__version__}, "
+              "by `python -m remat3d.bench.cuda_check` (docs/gpu.md gives the command).")
+    print(header, flush=True)
+
+    dev, reps = args.device, args.repeats
+    # (kind, what it runs, the fields a failed case still reports)
+    cases: list[tuple[str, Callable[[], dict[str, Any]], dict[str, Any]]] = []
+    for spec in args.unplanned:
+        preset, text, amp_text = spec.split(":")
+        shape, amp = _parse_shape(text), None if amp_text == "none" else amp_text
+        cases.append(("unplanned", functools.partial(unplanned_row, preset, shape, amp, dev, reps),
+                      {"preset": preset, "plan": "none", "shape": shape, "amp": amp}))
+    for spec in args.plan:
+        preset, path = spec.split(":", 1)
+        cases.append(("planned", functools.partial(planned_row, preset, path, dev, reps),
+                      {"preset": preset, "plan": Path(path).name, "shape": [], "amp": None}))
+    if args.exactness:
+        n = args.exact_size
+        for preset, budget, offload, amp in EXACTNESS:
+            cases.append(("exactness",
+                          functools.partial(exactness_row, preset, n, budget, offload, amp, dev),
+                          {"preset": preset, "amp": amp, "budget": budget}))
+        for preset, tile, dtype in TILED:
+            cases.append(("tiled", functools.partial(tiled_row, preset, n, tile, dtype, dev),
+                          {"preset": preset, "size": n, "tile": tile, "dtype": str(dtype)}))
+
+    rows: list[dict[str, Any]] = []
+    for kind, run, fields in cases:
+        if time.monotonic() - start > args.deadline:
+            print(f"deadline reached: {kind} {fields} not run", flush=True)
+            continue
+        t0 = time.monotonic()
+        try:
+            row = run()
+        except Exception as exc:  # noqa: BLE001 - a failed case is a result to report
+            row = {"kind": kind, "error": f"{type(exc).__name__}: {str(exc)[:300]}", **fields}
+        row["wall_s"] = time.monotonic() - t0
+        rows.append(row)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        print(json.dumps(row, default=str), flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        (out / "report.md").write_text(markdown(rows, header) + "\n")
+
+
+if __name__ == "__main__":
+    main()
