@@ -17,6 +17,9 @@ pytestmark = [
 @pytest.mark.parametrize("name", zoo.preset_names())
 @pytest.mark.parametrize("amp", [None, "bf16"])
 def test_tracker_peak_against_max_memory_allocated(name, amp):
+    # CUDA has no deterministic max-pool or upsample backward; the suite's fixture turns
+    # deterministic algorithms on, and memory does not depend on them
+    torch.use_deterministic_algorithms(False)
     preset = zoo.get_preset(name)
     shape = zoo.legal_shape(preset, (1, preset.in_channels, 64, 64, 64))
     model = zoo.build_model(name, spatial_size=tuple(shape[2:])).cuda()
@@ -30,6 +33,10 @@ def test_tracker_peak_against_max_memory_allocated(name, amp):
     allocated = torch.cuda.max_memory_allocated()
     tracker.close()
     # The allocator also holds kernel workspaces (cuDNN, cuBLAS) the tracker cannot see,
-    # so the tracker is at most the allocator's peak, and close to it.
+    # so the tracker is at most the allocator's peak, and close to it. Workspaces have a
+    # size of their own, not a share of the step: on an H200 (torch 2.11, cuDNN 9.19) five
+    # of the 64³ steps sat 73-97 MB under the allocator (docs/gpu.md), which is up to 63 %
+    # of a 151 MB step.
     assert tracker.peak_bytes <= allocated
-    assert tracker.peak_bytes >= 0.8 * allocated, (tracker.peak_bytes, allocated)
+    gap = allocated - tracker.peak_bytes
+    assert gap <= max(0.2 * allocated, 128 * 2**20), (tracker.peak_bytes, allocated)

@@ -6,6 +6,7 @@ import torch
 
 import remat3d
 from remat3d import Plan, Region, zoo
+from remat3d.runtime.offload import OffloadHooks
 
 from .exactness import train_step
 
@@ -38,6 +39,37 @@ def test_offload_on_meta_frees_device_memory():
     planned = remat3d.measure(model, shape, device="meta")
     assert planned.saved_bytes < base.saved_bytes / 2
     assert planned.recompute_flops == 0
+
+
+def test_meta_offload_holds_the_prefetched_copies_as_cuda_does():
+    """On CUDA the first unpack of a region's tensors copies the previous region's back
+    early; the meta step makes those copies at the same moment (NOTE [ Offload paths ]),
+    so a verified offload plan's peak includes them."""
+    prefetch: dict = {}
+    first, second = (OffloadHooks(min_bytes=0, group=g, prefetch=prefetch) for g in (1, 2))
+    a, b = torch.empty(1 << 20, device="meta"), torch.empty(1 << 21, device="meta")
+    packed_a, packed_b = first._pack(a), second._pack(b)
+    assert packed_a.prefetched is None
+    second._unpack(packed_b)
+    early = packed_a.prefetched
+    assert early is not None and early.shape == a.shape and early.device.type == "meta"
+    assert first._unpack(packed_a) is early and packed_a.prefetched is None
+
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(512, 512),
+                                                      torch.nn.Tanh()) for _ in range(3)))
+    plan = Plan(regions=[Region(str(i), decision="offload") for i in range(3)],
+                offload_min_bytes=0)
+    remat3d.apply(model, plan)
+    with_prefetch = remat3d.measure(model, (4096, 512), device="meta").peak_bytes
+    without = OffloadHooks._prefetch
+    try:
+        OffloadHooks._prefetch = lambda self, group: None  # type: ignore[method-assign]
+        no_prefetch = remat3d.measure(model, (4096, 512), device="meta").peak_bytes
+    finally:
+        OffloadHooks._prefetch = without  # type: ignore[method-assign]
+    # the last region's backward runs while the middle region's tensors are back: its
+    # Tanh output and Linear input (4096x512 fp32 each)
+    assert with_prefetch - no_prefetch >= 2 * 4096 * 512 * 4, (with_prefetch, no_prefetch)
 
 
 def test_host_budget_limits_offload():

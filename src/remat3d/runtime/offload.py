@@ -12,8 +12,11 @@ NOTE [ Offload paths ]
   2. CPU: there is no separate host memory, but the same path runs (a copy to a separate
      buffer and back), so it is tested everywhere and exact bit for bit.
   3. Meta: nothing can be copied; the pack keeps only shape, stride and dtype, so a meta
-     step shows the device memory the offload frees. Unpacked tensors carry no values
-     (meta tensors never do).
+     step shows the device memory the offload frees. The prefetch of path 1 is mirrored:
+     the first unpack of a region's tensors makes the previous region's device copies,
+     so the meta step also shows the memory the prefetch holds early (a 256³ bf16
+     nnU-Net plan, run on an H200, held 1.08 GiB more than its meta step before this;
+     docs/gpu.md). Unpacked tensors carry no values (meta tensors never do).
   Tensors smaller than ``min_bytes``, parameters, and tensors past the host budget stay on
   the device. ``storage_dtype`` (e.g. bf16) rounds floating-point tensors: the one lossy
   choice, made only when asked for.
@@ -165,23 +168,35 @@ class OffloadHooks(saved_tensors_hooks):
         return self._bring_back(packed)
 
     def _bring_back(self, packed: _Packed) -> torch.Tensor:
+        if packed.device.type in ("meta", "cuda"):
+            self._prefetch(packed.group - 1)
+            if packed.prefetched is not None:
+                # handed over: from here autograd alone decides how long it lives
+                device_copy, packed.prefetched = packed.prefetched, None
+                if packed.event is not None:
+                    torch.cuda.current_stream(packed.device).wait_event(packed.event)
+                return device_copy
         if packed.device.type == "meta":
             return torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype,
                                        device="meta")
         if packed.device.type == "cuda":
-            self._prefetch(packed.group - 1)
-            if packed.prefetched is not None:
-                torch.cuda.current_stream(packed.device).wait_event(packed.event)
-                return packed.prefetched
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
             return packed.data.to(packed.device, non_blocking=True)  # type: ignore[union-attr]
         assert packed.data is not None
         return packed.data
 
     def _prefetch(self, group: int) -> None:
-        """Start copying ``group``'s tensors back on the side stream (CUDA only)."""
+        """Start copying ``group``'s tensors back on the side stream (CUDA). On meta, make
+        their device copies at the same moment, so a meta step's peak holds what the CUDA
+        step's prefetch holds (NOTE [ Offload paths ])."""
         for packed in self.prefetch.pop(group, []):
-            if packed.prefetched is not None or packed.data is None:
+            if packed.prefetched is not None:
+                continue
+            if packed.device.type == "meta":
+                packed.prefetched = torch.empty_strided(packed.shape, packed.stride,
+                                                        dtype=packed.dtype, device="meta")
+                continue
+            if packed.data is None:
                 continue
             stream = _side_stream(packed.device)
             stream.wait_event(packed.event)

@@ -14,7 +14,6 @@ backward. It is built on PyTorch's ``create_selective_checkpoint_contexts``.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -117,22 +116,29 @@ def selective_contexts(policy_fn: PolicyFn) -> tuple[Any, Any]:
     """
     from torch.utils import checkpoint as ckpt
 
-    caching_cls = getattr(ckpt, "_CachingTorchDispatchMode", None)
-    cached_cls = getattr(ckpt, "_CachedTorchDispatchMode", None)
-    if caching_cls is None or cached_cls is None:  # other PyTorch: the public contexts
-        return ckpt.create_selective_checkpoint_contexts(policy_fn)
+    # The public contexts, made by PyTorch itself (their constructors and storage change
+    # between versions: 2.11 requires ``allow_cache_entry_mutation``, 2.13 keeps a dict
+    # per op where 2.11 keeps a list); only their dispatch gains the weight-cast bypass.
+    caching, cached = ckpt.create_selective_checkpoint_contexts(policy_fn)
+    for mode in (caching, cached):
+        if not hasattr(type(mode), "__torch_dispatch__"):  # not a dispatch mode: leave it
+            return caching, cached
+    caching.__class__ = _bypassing_weight_casts(type(caching))
+    cached.__class__ = _bypassing_weight_casts(type(cached))
+    return caching, cached
 
-    class Caching(caching_cls):  # type: ignore[misc, valid-type]
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+
+_BYPASSING: dict[type, type] = {}
+
+
+def _bypassing_weight_casts(cls: type) -> type:
+    """A subclass of the dispatch mode ``cls`` that runs autocast's weight casts untouched
+    (NOTE [ Autocast's weight casts under selective checkpointing ])."""
+    if cls not in _BYPASSING:
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if _is_weight_cast(func, args):
                 return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return cls.__torch_dispatch__(self, func, types, args, kwargs)  # type: ignore[attr-defined]
 
-    class Cached(cached_cls):  # type: ignore[misc, valid-type]
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-            if _is_weight_cast(func, args):
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    storage: dict[Any, Any] = defaultdict(dict)
-    return Caching(policy_fn, storage), Cached(policy_fn, storage)
+        _BYPASSING[cls] = type(cls.__name__, (cls,), {"__torch_dispatch__": __torch_dispatch__})
+    return _BYPASSING[cls]
