@@ -17,15 +17,18 @@ shape on the GPU, applies the plan and runs training steps (loss = mean of the o
   each), and the plan's FLOPs over the unplanned step's.
 
 ``--exactness`` adds planned-against-unplanned steps at 64³ on the GPU with
-deterministic algorithms (gradients and buffers compared with ``torch.equal``), and tiled
-against untiled stages in fp32 and fp64. Each result is appended to ``DIR/results.jsonl``
-as soon as it is measured (so a run cut short keeps what it did) and ``DIR/report.md`` is
-rewritten after each. ``--device cpu`` runs the same code on CPU (a dry run at small sizes).
+deterministic algorithms (gradients and buffers compared with ``torch.equal``; the plans
+are listed in ``EXACTNESS``), and tiled against untiled stages in fp32 and fp64. Each
+result is appended to ``DIR/results.jsonl`` as soon as it is measured (so a run cut short
+keeps what it did) and ``DIR/report.md`` is rewritten after each. ``--deadline`` bounds
+the whole run and ``--case-timeout`` one case: a case past either is stopped and reported
+as such. ``--device cpu`` runs the same code on CPU (the tests do, at 16³).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import functools
@@ -33,24 +36,30 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from remat3d.graph import atomic_write_text
+
 __all__ = ["exactness_row", "main", "planned_row", "tiled_row", "unplanned_row"]
 
 GiB = float(1 << 30)
 
-# planned against unplanned, bitwise: (preset, budget, offload, amp); a budget below the
-# smallest feasible one plans at the smallest (the most recomputation); budget "offload"
-# offloads every block's saved tensors (a 64³ plan would choose none: the peak is elsewhere)
-EXACTNESS = [("nnunet", "0.5x", False, None), ("nnunet", "offload", True, None),
-             ("nnunet", "0.5x", False, "bf16"), ("nnunet", "offload", True, "bf16"),
-             ("segresnet", "0.5x", False, None)]
+# planned against unplanned, bitwise: (preset, plan, amp). "optimal:B" is remat3d.plan at
+# budget B (below the smallest feasible budget: at the smallest, the most recomputation);
+# "blocks:D" is decision D (recompute, offload, or a selective policy) on every block,
+# without planning (seconds instead of a minute per case on the meta device)
+EXACTNESS = [("nnunet", "optimal:0.5x", None), ("nnunet", "blocks:offload", None),
+             ("nnunet", "blocks:recompute", "bf16"), ("nnunet", "blocks:offload", "bf16"),
+             ("nnunet", "blocks:save-compute-heavy", "bf16"),
+             ("segresnet", "blocks:recompute", None)]
 # tiled against untiled full-resolution stages: (preset, tile, dtype); 24 does not divide 64
 TILED = [("nnunet", 24, torch.float32), ("nnunet", 24, torch.float64),
          ("segresnet", 40, torch.float32)]
@@ -163,11 +172,11 @@ def _step_state(model: torch.nn.Module, x: torch.Tensor,
     return grads, [b.clone() for b in model.buffers()]
 
 
-def exactness_row(preset: str, size: int, budget: str, offload: bool, amp: str | None,
+def exactness_row(preset: str, size: int, how: str, amp: str | None,
                   device: str) -> dict[str, Any]:
     """A planned step against the unplanned one on ``device``, deterministic algorithms on:
-    every parameter gradient and buffer compared bitwise. A ``budget`` below the smallest
-    feasible one plans at that smallest budget (the most recomputation)."""
+    every parameter gradient and buffer compared bitwise. ``how`` is "optimal:BUDGET" or
+    "blocks:DECISION" (module ``EXACTNESS``)."""
     import remat3d
     from remat3d import zoo
 
@@ -180,12 +189,18 @@ def exactness_row(preset: str, size: int, budget: str, offload: bool, amp: str |
         model = zoo.build_model(preset, spatial_size=tuple(shape[2:])).to(device)
         planned = copy.deepcopy(model)
         x = torch.randn(shape, device=device)
-        if budget == "offload":
-            blocks = remat3d.profile(model, torch.Size(shape), amp=amp).graph.blocks()
-            plan = remat3d.Plan(regions=[remat3d.Region(module=b.name, decision="offload")
-                                         for b in blocks], offload_min_bytes=0)
+        strategy, _, setting = how.partition(":")
+        if strategy == "optimal":
+            plan = _plan_at_most(model, shape, setting, amp)
         else:
-            plan = _plan_at_most(model, shape, budget, offload, amp)
+            blocks = dict.fromkeys(b.name for b in
+                                   remat3d.profile(model, torch.Size(shape), amp=amp)
+                                   .graph.blocks())
+            decision = setting if setting in ("recompute", "offload") else "recompute"
+            policy = None if setting in ("recompute", "offload") else setting
+            plan = remat3d.Plan(regions=[remat3d.Region(module=b, decision=decision,
+                                                        policy=policy) for b in blocks],
+                                offload_min_bytes=0)
         remat3d.apply(planned, plan)
         ref_g, ref_b = _step_state(model, x, amp)
         got_g, got_b = _step_state(planned, x, amp)
@@ -195,7 +210,7 @@ def exactness_row(preset: str, size: int, budget: str, offload: bool, amp: str |
                       / b.double().abs().max().clamp_min(1e-30)).item()
                      for a, b in zip(got_g, ref_g)), default=0.0)
         return {"kind": "exactness", "preset": preset, "shape": shape, "amp": amp,
-                "budget": budget, "budget_bytes": plan.budget_bytes, "offload": offload,
+                "plan": how, "budget_bytes": plan.budget_bytes,
                 "regions": len(plan.regions),
                 "decisions": sorted({r.decision for r in plan.regions}),
                 "bitwise_equal": equal, "max_rel_grad_diff": worst}
@@ -203,17 +218,16 @@ def exactness_row(preset: str, size: int, budget: str, offload: bool, amp: str |
         torch.use_deterministic_algorithms(previous)
 
 
-def _plan_at_most(model: torch.nn.Module, shape: list[int], budget: str, offload: bool,
+def _plan_at_most(model: torch.nn.Module, shape: list[int], budget: str,
                   amp: str | None) -> Any:
     import remat3d
     from remat3d.errors import InfeasibleBudgetError
 
     try:
-        return remat3d.plan(model, torch.Size(shape), budget=budget, offload=offload, amp=amp,
-                            tile=False)
+        return remat3d.plan(model, torch.Size(shape), budget=budget, amp=amp, tile=False)
     except InfeasibleBudgetError as exc:  # the heaviest plan: the harder test
         return remat3d.plan(model, torch.Size(shape), budget=exc.smallest_feasible_bytes,
-                            offload=offload, amp=amp, tile=False)
+                            amp=amp, tile=False)
 
 
 def tiled_row(preset: str, size: int, tile: int, dtype: torch.dtype,
@@ -262,17 +276,16 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         out.append("")
     exact = [r for r in rows if r["kind"] == "exactness"]
     if exact:
-        out += [("| preset | input | amp | budget | offload | decisions | gradients and buffers "
-                "bitwise equal | largest relative gradient difference |"),
-                "|---|---|---|---|---|---|---|---:|"]
+        out += [("| preset | input | amp | plan | regions | gradients and buffers bitwise "
+                "equal | largest relative gradient difference |"),
+                "|---|---|---|---|---:|---|---:|"]
         for r in exact:
             if "error" in r:
-                out.append(f"| {r['preset']} | | {r['amp']} | {r['budget']} | | | "
+                out.append(f"| {r['preset']} | | {r['amp']} | {r['plan']} | | "
                            f"failed: {r['error']} | |")
                 continue
             out.append(f"| {r['preset']} | {'x'.join(map(str, r['shape']))} | {r['amp']} | "
-                       f"{r['budget']} | {'yes' if r['offload'] else 'no'} | "
-                       f"{', '.join(r['decisions'])} | "
+                       f"{r['plan']} | {r['regions']} | "
                        f"{'yes' if r['bitwise_equal'] else 'NO'} | "
                        f"{r['max_rel_grad_diff']:.1e} |")
         out.append("")
@@ -310,7 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--exact-size", type=int, default=64)
     parser.add_argument("--deadline", type=float, default=math.inf,
-                        help="seconds after which no further case is started")
+                        help="seconds for the whole run: no case starts after it, and a "
+                             "running case is stopped at it")
+    parser.add_argument("--case-timeout", type=float, default=math.inf,
+                        help="seconds one case may run before it is stopped (reported)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -340,22 +356,23 @@ def main(argv: list[str] | None = None) -> None:
                       {"preset": preset, "plan": Path(path).name, "shape": [], "amp": None}))
     if args.exactness:
         n = args.exact_size
-        for preset, budget, offload, amp in EXACTNESS:
-            cases.append(("exactness",
-                          functools.partial(exactness_row, preset, n, budget, offload, amp, dev),
-                          {"preset": preset, "amp": amp, "budget": budget}))
+        for preset, how, amp in EXACTNESS:
+            cases.append(("exactness", functools.partial(exactness_row, preset, n, how, amp, dev),
+                          {"preset": preset, "amp": amp, "plan": how}))
         for preset, tile, dtype in TILED:
             cases.append(("tiled", functools.partial(tiled_row, preset, n, tile, dtype, dev),
                           {"preset": preset, "size": n, "tile": tile, "dtype": str(dtype)}))
 
     rows: list[dict[str, Any]] = []
     for kind, run, fields in cases:
-        if time.monotonic() - start > args.deadline:
+        left = args.deadline - (time.monotonic() - start)
+        if left <= 0:
             print(f"deadline reached: {kind} {fields} not run", flush=True)
             continue
         t0 = time.monotonic()
         try:
-            row = run()
+            with _time_limit(min(left, args.case_timeout)):
+                row = run()
         except Exception as exc:  # noqa: BLE001 - a failed case is a result to report
             row = {"kind": kind, "error": f"{type(exc).__name__}: {str(exc)[:300]}", **fields}
         row["wall_s"] = time.monotonic() - t0
@@ -365,7 +382,34 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row, default=str), flush=True)
         with open(out / "results.jsonl", "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
-        (out / "report.md").write_text(markdown(rows, header) + "\n")
+        atomic_write_text(out / "report.md", markdown(rows, header) + "\n")
+
+
+class CaseTimeout(Exception):
+    """A case ran past its time (``--case-timeout`` or the ``--deadline``)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Interrupt the case after ``seconds`` (SIGALRM: Unix, main thread; elsewhere none).
+
+    A GPU step returns to Python between kernels, and a tiled one between tiles, so the
+    case stops within about one kernel; its tensors are freed with its frames."""
+    if not math.isfinite(seconds) or not hasattr(signal, "SIGALRM") \
+            or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CaseTimeout(f"stopped after {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 if __name__ == "__main__":
