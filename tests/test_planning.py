@@ -173,3 +173,24 @@ def test_the_plan_cache_tells_apart_what_changes_the_step():
                             loss_fn=lambda y: (y * y).sum())  # saves y for backward
     assert keep_all.verified_peak_bytes > base.verified_peak_bytes
     assert remat3d.plan(net(1), SHAPE, budget="1x", strategy="none") is base  # still cached
+
+
+def test_offload_plans_drop_the_prefetch_only_when_it_does_not_fit() -> None:
+    """NOTE [ Offload paths ]: the prefetch holds the previous region's tensors early. At
+    the smallest budget of a 64³ bf16 BasicUNet it does not fit, so the plan copies back
+    only on demand; the same plan with the prefetch verifies above the budget."""
+    model = zoo.build_model("basicunet", device="meta")
+    shape = (1, 1, 64, 64, 64)
+    with pytest.raises(BudgetError) as info:
+        remat3d.plan(model, shape, budget=1, offload=True, tile=False, amp="bf16")
+    smallest = info.value.smallest_feasible_bytes  # type: ignore[attr-defined]
+    plan = remat3d.plan(model, shape, budget=smallest, offload=True, tile=False, amp="bf16")
+    assert plan.prefetch is False and any(r.decision == "offload" for r in plan.regions)
+    assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
+    early = remat3d.Plan.from_dict({**plan.to_dict(), "prefetch": True})
+    remat3d.apply(model, early)
+    assert remat3d.measure(model, shape, device="meta", amp="bf16").peak_bytes > smallest
+    remat3d.remove(model)
+    roomy = remat3d.plan(model, shape, budget=int(smallest * 1.3), offload=True, tile=False,
+                         amp="bf16")
+    assert roomy.prefetch is True  # it fits there: the copies stay hidden behind compute

@@ -164,17 +164,29 @@ def plan(
     verified: dict[tuple, tuple[int, int, int]] = {}
     step_flops = prof.graph.forward_flops + prof.graph.backward_flops
 
-    def check(candidate: Plan) -> Plan:
+    def measured(candidate: Plan) -> tuple[int, int, int]:
         """Verify ``candidate`` (once per distinct plan: searches revisit plans)."""
-        signature = tuple((r.module, tuple(r.calls or ()), tuple(r.segment or ()),
-                           r.decision, str(r.policy), tuple(r.tile or ()), r.fuse)
-                          for r in candidate.regions)
+        signature = (candidate.prefetch, *(
+            (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
+             str(r.policy), tuple(r.tile or ()), r.fuse) for r in candidate.regions))
         if signature not in verified:
             try:
                 verified[signature] = _verify(model, shapes, candidate, amp, loss_fn)
             except InPlaceInputError as exc:
                 raise Remat3dError(f"Plan could not be verified: {exc}") from exc
-        peak, recomputed, total = verified[signature]
+        return verified[signature]
+
+    def check(candidate: Plan) -> Plan:
+        peak, recomputed, total = measured(candidate)
+        if peak > budget_bytes and any(r.decision == "offload" for r in candidate.regions):
+            # NOTE [ Offload paths ]: without the prefetch the copies back are not hidden,
+            # but the previous region's tensors are not held early either
+            candidate.prefetch = False
+            late = measured(candidate)
+            if late[0] < peak:
+                peak, recomputed, total = late
+            else:
+                candidate.prefetch = True
         candidate.verified_peak_bytes, candidate.recompute_flops = peak, recomputed
         candidate.extra_flops, candidate.step_flops = total - step_flops, step_flops
         return candidate

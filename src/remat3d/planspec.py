@@ -124,6 +124,9 @@ class Plan:
     strategy: str = "manual"
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
     host_budget_bytes: int | None = None  # None: no limit on host memory for offload
+    # offload: in backward, start copying the previous region's tensors back as soon as a
+    # region's are needed (hides the copy; holds both regions' tensors for a while)
+    prefetch: bool = True
     # outside regions, save cheap ops' outputs (norms, activations, upsampling, skip sums,
     # concatenations) as recipes that rebuild them in backward (runtime/rebuild.py)
     rebuild_saved: bool = True

@@ -109,6 +109,12 @@ def prepare_step(
         raise Remat3dError(f"Expected a torch.nn.Module, got {type(model).__name__}.")
     if not inputs:
         raise Remat3dError("Pass at least one example input (a tensor or a shape tuple).")
+    # The first convolution under a dispatch mode imports torch._dynamo (torch/_compile.py).
+    # Imported mid-step, the import machinery keeps the step's frames, and the activations
+    # they hold, in reference cycles until Python's cyclic collector runs: the first step of
+    # a process then peaked higher than the next ones (3 MB on a 32³ SegResNet). Import it
+    # before any step instead.
+    import torch._dynamo  # noqa: F401
     try:
         dev = normalize_device(device)
     except (RuntimeError, AssertionError) as exc:

@@ -329,7 +329,7 @@ class _PlannedForward:
             storage_dtype=_dtype(region.storage_dtype),
             min_bytes=state.plan.offload_min_bytes,
             usage=state.host, stats=None if is_recomputing() else stats,
-            group=state.group, prefetch=state.prefetch,
+            group=state.group, prefetch=state.prefetch, early=state.plan.prefetch,
         )
         with hooks:
             return fn(*args, **kwargs)

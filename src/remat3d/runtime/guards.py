@@ -197,7 +197,9 @@ class RecomputeOverwritten:
         if wrapper_cls is None or recompute is None or not isinstance(storage, dict):
             return  # PyTorch's own check will name the problem
         for per_op in storage.values():
-            for idx, entry in list(per_op.items()):
+            # per op: a dict of call index -> entry (PyTorch 2.13), a list (2.11)
+            entries = per_op.items() if isinstance(per_op, dict) else enumerate(per_op)
+            for idx, entry in list(entries):
                 leaves = tree_leaves(entry, is_leaf=lambda x: isinstance(x, wrapper_cls))
                 if any(isinstance(w, wrapper_cls) and w.version is not None
                        and w.val._version != w.version for w in leaves):

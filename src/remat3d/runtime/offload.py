@@ -16,7 +16,10 @@ NOTE [ Offload paths ]
      the first unpack of a region's tensors makes the previous region's device copies,
      so the meta step also shows the memory the prefetch holds early (a 256³ bf16
      nnU-Net plan, run on an H200, held 1.08 GiB more than its meta step before this;
-     docs/gpu.md). Unpacked tensors carry no values (meta tensors never do).
+     docs/gpu.md). A plan with ``prefetch=False`` copies each tensor back only when
+     backward needs it: less memory, the copy no longer hidden behind compute; the
+     planner chooses that only when the plan does not fit with the prefetch. Unpacked
+     tensors carry no values (meta tensors never do).
   Tensors smaller than ``min_bytes``, parameters, and tensors past the host budget stay on
   the device. ``storage_dtype`` (e.g. bf16) rounds floating-point tensors: the one lossy
   choice, made only when asked for.
@@ -96,6 +99,7 @@ class OffloadHooks(saved_tensors_hooks):
         stats: Any = None,
         group: int = 0,
         prefetch: dict[int, list[Any]] | None = None,
+        early: bool = True,
     ) -> None:
         self.offload = offload
         self.storage_dtype = storage_dtype
@@ -104,6 +108,7 @@ class OffloadHooks(saved_tensors_hooks):
         self.stats = stats
         self.group = group
         self.prefetch = prefetch if prefetch is not None else {}
+        self.early = early  # prefetch the previous region's tensors (CUDA, mirrored on meta)
         super().__init__(self._pack, self._unpack)
 
     # -- pack ---------------------------------------------------------------------------
@@ -169,7 +174,8 @@ class OffloadHooks(saved_tensors_hooks):
 
     def _bring_back(self, packed: _Packed) -> torch.Tensor:
         if packed.device.type in ("meta", "cuda"):
-            self._prefetch(packed.group - 1)
+            if self.early:
+                self._prefetch(packed.group - 1)
             if packed.prefetched is not None:
                 # handed over: from here autograd alone decides how long it lives
                 device_copy, packed.prefetched = packed.prefetched, None

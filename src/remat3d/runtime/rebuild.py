@@ -124,14 +124,17 @@ class Recipe:
         then runs after everything that read the value it overwrites, as in forward."""
         if self.order is None:
             found: dict[int, Recipe] = {}
-            stack = [self]
+            stack = list(self.parents)
             while stack:
                 recipe = stack.pop()
                 if id(recipe) not in found:
                     found[id(recipe)] = recipe
                     stack += recipe.parents
+            # the ancestors only: a list holding the recipe itself would be a reference
+            # cycle, and the tensors its leaves hold would then live until Python's cyclic
+            # garbage collector happened to run (a peak that depended on when it did)
             self.order = sorted(found.values(), key=lambda r: r.sequence)
-        return self.order
+        return [*self.order, self]
 
     def leaves(self) -> list[_Leaf]:
         """Every leaf below this recipe, once each."""
