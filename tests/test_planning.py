@@ -186,6 +186,7 @@ def test_offload_plans_drop_the_prefetch_only_when_it_does_not_fit() -> None:
     smallest = info.value.smallest_feasible_bytes  # type: ignore[attr-defined]
     plan = remat3d.plan(model, shape, budget=smallest, offload=True, tile=False, amp="bf16")
     assert plan.prefetch is False and any(r.decision == "offload" for r in plan.regions)
+    assert "no prefetch" in plan.summary()
     assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
     early = remat3d.Plan.from_dict({**plan.to_dict(), "prefetch": True})
     remat3d.apply(model, early)

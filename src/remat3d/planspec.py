@@ -208,6 +208,8 @@ class Plan:
                 lines.append(f"  {label} {format_bytes(value)}")
         if self.recompute_flops is not None:
             lines.append(f"  recompute {_flops(self.recompute_flops, self.step_flops)}")
+        if not self.prefetch and any(r.decision == "offload" for r in self.regions):
+            lines.append("  offload: copied back on demand (no prefetch)")
         if self.extra_flops is not None and self.tiled:
             lines.append(f"  extra FLOPs (recompute, tile passes, halos) "
                          f"{_flops(self.extra_flops, self.step_flops)}")
