@@ -10,7 +10,7 @@ import torch
 
 import remat3d
 from remat3d import zoo
-from remat3d.bench.cuda_check import CaseTimeout, _time_limit, exactness_row, main
+from remat3d.bench.cuda_check import CaseTimeout, _time_limit, exactness_row, main, markdown
 from remat3d.errors import InfeasibleBudgetError
 
 
@@ -52,3 +52,11 @@ def test_a_case_past_its_time_is_stopped() -> None:
         while time.monotonic() - start < 10:  # without the limit: no exception, a failure
             torch.ones(8).sum()
     assert time.monotonic() - start < 5
+
+
+def test_the_report_names_a_failed_case_in_place_of_its_numbers() -> None:
+    rows = [{"kind": "planned", "preset": "nnunet", "plan": "p.json", "shape": [],
+             "amp": None, "error": "TypeError: no"}]
+    report = markdown(rows, "header")
+    assert "| nnunet |  | None | p.json | failed: TypeError: no |" in report
+    assert report.count("failed") == 1 and "exactness" not in report
