@@ -118,7 +118,9 @@ def test_resume_without_a_run(data):
 
 def test_killed_process_resumes_to_the_same_weights(data):
     """A real kill (SIGKILL) mid-run, then --resume, against an uninterrupted run."""
-    cfg = config(data, epochs=3, save_every=1)
+    # 6 epochs of 2 steps: on a loaded machine the poll below can miss a few saves, and
+    # the kill must still land before the last one
+    cfg = config(data, epochs=6, save_every=1)
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "remat3d", "train", str(cfg)]
     whole = subprocess.run([*command, f"--output_dir={data / 'whole'}"], env=env,
@@ -137,7 +139,7 @@ def test_killed_process_resumes_to_the_same_weights(data):
     process.send_signal(signal.SIGKILL)
     process.wait()
     saved = torch.load(killed_dir / "state.pt", weights_only=True)
-    assert 2 <= saved["step"] < 6, "killed too late to test a resume"
+    assert 2 <= saved["step"] < 12, "killed too late to test a resume"
     resumed = subprocess.run([*command, f"--output_dir={killed_dir}", "--resume"], env=env,
                              capture_output=True, text=True, timeout=600, check=False)
     assert resumed.returncode == 0, resumed.stderr
