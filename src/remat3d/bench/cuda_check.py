@@ -65,11 +65,6 @@ TILED = [("nnunet", 24, torch.float32), ("nnunet", 24, torch.float64),
          ("segresnet", 40, torch.float32)]
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _reset_peak(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -130,7 +125,7 @@ def planned_row(preset: str, plan_path: str, device: str, repeats: int) -> dict[
         "flops_ratio": (1 + plan.extra_flops / plan.step_flops)
         if plan.extra_flops is not None and plan.step_flops else None,
         "offload": any(r.decision == "offload" for r in plan.regions),
-        "tiled": tiled,
+        "prefetch": plan.prefetch, "tiled": tiled,
     }
     try:
         row.update(_measure_steps(model, shape, plan.amp, device, repeats))
