@@ -168,7 +168,7 @@ def plan_command(
         + (f"extra +{100 * _overhead(result, base):.1f}% FLOPs (recompute, tile passes, "
            "halos)" if result.tiled else f"recompute +{100 * _overhead(result, base):.1f}% FLOPs"),
         highlight=False)
-    if not result.prefetch and any(r.decision == "offload" for r in result.regions):
+    if result.offloads and not result.prefetch:
         console.print("offloaded tensors are copied back when backward needs them, not "
                       "prefetched (the prefetch's overlap does not fit this budget)",
                       highlight=False)

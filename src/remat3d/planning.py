@@ -178,7 +178,7 @@ def plan(
 
     def check(candidate: Plan) -> Plan:
         peak, recomputed, total = measured(candidate)
-        if peak > budget_bytes and any(r.decision == "offload" for r in candidate.regions):
+        if peak > budget_bytes and candidate.offloads:
             # NOTE [ Offload paths ]: without the prefetch the copies back are not hidden,
             # but the previous region's tensors are not held early either
             candidate.prefetch = False

@@ -149,6 +149,11 @@ class Plan:
         """Whether any region runs tiled (its extra FLOPs are then more than recomputation)."""
         return any(r.decision == "tile" for r in self.regions)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether any region offloads its saved tensors to host memory."""
+        return any(r.decision == "offload" for r in self.regions)
+
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -208,7 +213,7 @@ class Plan:
                 lines.append(f"  {label} {format_bytes(value)}")
         if self.recompute_flops is not None:
             lines.append(f"  recompute {_flops(self.recompute_flops, self.step_flops)}")
-        if not self.prefetch and any(r.decision == "offload" for r in self.regions):
+        if self.offloads and not self.prefetch:
             lines.append("  offload: copied back on demand (no prefetch)")
         if self.extra_flops is not None and self.tiled:
             lines.append(f"  extra FLOPs (recompute, tile passes, halos) "

@@ -124,7 +124,7 @@ def planned_row(preset: str, plan_path: str, device: str, repeats: int) -> dict[
         "predicted_peak": plan.predicted_peak_bytes,
         "flops_ratio": (1 + plan.extra_flops / plan.step_flops)
         if plan.extra_flops is not None and plan.step_flops else None,
-        "offload": any(r.decision == "offload" for r in plan.regions),
+        "offload": plan.offloads,
         "prefetch": plan.prefetch, "tiled": tiled,
     }
     try:

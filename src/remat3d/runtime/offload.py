@@ -85,6 +85,10 @@ class _Packed:
     def __del__(self) -> None:
         self.usage.bytes -= self.nbytes
 
+    def on_meta(self) -> torch.Tensor:
+        """A device copy on meta: the memory it would take, no values."""
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
 
 class OffloadHooks(saved_tensors_hooks):
     """Pack saved tensors to host memory / a storage dtype (see NOTE [ Offload paths ])."""
@@ -183,8 +187,7 @@ class OffloadHooks(saved_tensors_hooks):
                     torch.cuda.current_stream(packed.device).wait_event(packed.event)
                 return device_copy
         if packed.device.type == "meta":
-            return torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype,
-                                       device="meta")
+            return packed.on_meta()
         if packed.device.type == "cuda":
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
             return packed.data.to(packed.device, non_blocking=True)  # type: ignore[union-attr]
@@ -199,8 +202,7 @@ class OffloadHooks(saved_tensors_hooks):
             if packed.prefetched is not None:
                 continue
             if packed.device.type == "meta":
-                packed.prefetched = torch.empty_strided(packed.shape, packed.stride,
-                                                        dtype=packed.dtype, device="meta")
+                packed.prefetched = packed.on_meta()
                 continue
             if packed.data is None:
                 continue
