@@ -156,7 +156,8 @@ def plan_command(
     for region in result.regions:
         detail = str(region.policy or "")
         if region.tile:
-            detail = "x".join(map(str, region.tile)) + (" fused" if region.fuse else "")
+            detail = "x".join(map(str, region.tile)) + (" fused" if region.fuse else "") \
+                + (" output on host" if region.host else "")
         table.add_row(region.label, region.decision, detail)
     console.print(table)
     predicted = ("" if result.predicted_peak_bytes is None else
@@ -168,6 +169,9 @@ def plan_command(
         + (f"extra +{100 * _overhead(result, base):.1f}% FLOPs (recompute, tile passes, "
            "halos)" if result.tiled else f"recompute +{100 * _overhead(result, base):.1f}% FLOPs"),
         highlight=False)
+    if result.verified_host_bytes:
+        console.print(f"host memory for tiled outputs kept there: "
+                      f"{format_bytes(result.verified_host_bytes)}", highlight=False)
     if result.offloads and not result.prefetch:
         console.print("offloaded tensors are copied back when backward needs them, not "
                       "prefetched (the prefetch's overlap does not fit this budget)",

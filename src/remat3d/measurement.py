@@ -21,6 +21,8 @@ class Measurement:
     ``peak_bytes`` is the tracker's peak of live tensor bytes on ``device``; ``flops``
     counts everything executed (forward, backward and any recomputation);
     ``seconds`` is the median wall time of uninstrumented steps (``None`` on meta).
+    ``host_bytes`` is the most host memory that host-resident tiled outputs held (NOTE
+    [ Host-resident tiled outputs ]; 0 on the CPU, where host and device are one).
     """
 
     device: str
@@ -33,6 +35,7 @@ class Measurement:
     recompute_flops: int
     seconds: float | None
     breakdown: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
 
 
 def measure(
@@ -73,6 +76,7 @@ def measure(
             recompute_flops=tracker.flops["recompute"],
             seconds=seconds,
             breakdown=tracker.peak_breakdown(),
+            host_bytes=tracker.host_peak_bytes,
         )
     finally:
         tracker.close()

@@ -97,13 +97,13 @@ def _regions(model: StageModel, decisions: list[str], policies: dict[int, str],
 
 
 def _verify(model: nn.Module, shapes: list[tuple[int, ...]], plan_: Plan, amp: str | None,
-            loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int, int]:
+            loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, int, int, int]:
     """Replay the plan on a meta copy under the tracker: (peak bytes, recompute FLOPs,
-    all FLOPs of the step)."""
+    all FLOPs of the step, host bytes of host-resident tiled outputs)."""
     copy_ = meta_copy(model)
     apply(copy_, plan_)
     m = measure(copy_, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
-    return m.peak_bytes, m.recompute_flops, m.flops
+    return m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes
 
 
 def plan(
@@ -161,14 +161,15 @@ def plan(
     options = PlannerOptions(offload=offload)
     solver = get_strategy(strategy)
 
-    verified: dict[tuple, tuple[int, int, int]] = {}
+    verified: dict[tuple, tuple[int, int, int, int]] = {}
     step_flops = prof.graph.forward_flops + prof.graph.backward_flops
 
-    def measured(candidate: Plan) -> tuple[int, int, int]:
+    def measured(candidate: Plan) -> tuple[int, int, int, int]:
         """Verify ``candidate`` (once per distinct plan: searches revisit plans)."""
         signature = (candidate.prefetch, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
-             str(r.policy), tuple(r.tile or ()), r.fuse) for r in candidate.regions))
+             str(r.policy), tuple(r.tile or ()), r.fuse, r.host)
+            for r in candidate.regions))
         if signature not in verified:
             try:
                 verified[signature] = _verify(model, shapes, candidate, amp, loss_fn)
@@ -177,17 +178,18 @@ def plan(
         return verified[signature]
 
     def check(candidate: Plan) -> Plan:
-        peak, recomputed, total = measured(candidate)
+        peak, recomputed, total, host = measured(candidate)
         if peak > budget_bytes and candidate.offloads:
             # NOTE [ Offload paths ]: without the prefetch the copies back are not hidden,
             # but the previous region's tensors are not held early either
             candidate.prefetch = False
             late = measured(candidate)
             if late[0] < peak:
-                peak, recomputed, total = late
+                peak, recomputed, total, host = late
             else:
                 candidate.prefetch = True
         candidate.verified_peak_bytes, candidate.recompute_flops = peak, recomputed
+        candidate.verified_host_bytes = host or None
         candidate.extra_flops, candidate.step_flops = total - step_flops, step_flops
         return candidate
 
@@ -334,9 +336,10 @@ def layout_regions(stages: StageModel, layout: Layout,
     regions = []
     for st in stages.stages:
         if st.index in layout.tiled:
-            size, fused = layout.tiled[st.index]
+            size, output = layout.tiled[st.index]
             regions.append(Region(st.name, calls=[st.call_index], decision="tile",
-                                  tile=list(size), fuse=fused))
+                                  tile=list(size), fuse=output == "fused",
+                                  host=output == "host"))
         elif ok[st.index]:
             regions.append(Region(st.name, calls=[st.call_index]))
     return regions
@@ -357,7 +360,7 @@ def _tiled(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, gra
     names = [(st.name, st.call_index) for st in stages.stages]
     ok = tileable(model, shapes, amp, names)
     smallest = 1 << 62
-    for layout in layouts(graph, stages, ok):
+    for layout in layouts(graph, stages, ok, host=options.offload):
         candidate = dataclasses.replace(header, regions=layout_regions(stages, layout,
                                                                        options.recomputable),
                                         notes=[f"tiling layout: {layout.label}"])

@@ -58,6 +58,10 @@ class Region:
         fuse: a ``"tile"`` region whose output is never stored: tiled regions that read it
             compute it inside their own tiles, anything else computes it once when it
             first needs it (NOTE [ Fused tiled regions ] in ``nn/tiling/fused.py``).
+        host: a ``"tile"`` region whose output (and its gradient) lives in host memory:
+            tiled regions that read it copy their tiles' slices to the device, anything
+            else copies it to the device when it first needs it (NOTE [ Host-resident
+            tiled outputs ] in ``nn/tiling/host.py``).
     """
 
     module: str
@@ -68,6 +72,7 @@ class Region:
     storage_dtype: str | None = None
     tile: list[int] | None = None
     fuse: bool = False
+    host: bool = False
 
     @property
     def label(self) -> str:
@@ -104,6 +109,10 @@ class Region:
         if self.fuse and self.decision != "tile":
             raise PlanError(f"Region {self.label}: fuse applies to tiled regions only "
                             f"(decision 'tile'), not {self.decision!r}.")
+        if self.host and (self.decision != "tile" or self.fuse):
+            raise PlanError(f"Region {self.label}: host applies to tiled regions that are "
+                            f"not fused (decision 'tile', fuse False); got decision "
+                            f"{self.decision!r}, fuse {self.fuse}.")
         if self.decision == "tile" and (self.policy is not None or self.storage_dtype):
             raise PlanError(f"Region {self.label}: a tiled region takes no op policy or "
                             "storage dtype (it keeps only its inputs).")
@@ -132,6 +141,8 @@ class Plan:
     rebuild_saved: bool = True
     predicted_peak_bytes: int | None = None
     verified_peak_bytes: int | None = None
+    # host memory the verified step held in host-resident tiled outputs (Region.host)
+    verified_host_bytes: int | None = None
     recompute_flops: int | None = None
     # FLOPs of the verified planned step minus the unplanned step's: recomputation plus,
     # for tiled regions, their extra passes and halos
@@ -213,6 +224,8 @@ class Plan:
                 lines.append(f"  {label} {format_bytes(value)}")
         if self.recompute_flops is not None:
             lines.append(f"  recompute {_flops(self.recompute_flops, self.step_flops)}")
+        if self.verified_host_bytes:
+            lines.append(f"  host memory for tiled outputs {format_bytes(self.verified_host_bytes)}")
         if self.offloads and not self.prefetch:
             lines.append("  offload: copied back on demand (no prefetch)")
         if self.extra_flops is not None and self.tiled:
@@ -228,6 +241,8 @@ class Plan:
                 extra += " tile=" + "x".join(map(str, region.tile))
             if region.fuse:
                 extra += " fused"
+            if region.host:
+                extra += " output on host"
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
         return "\n".join(lines)
 

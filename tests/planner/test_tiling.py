@@ -47,12 +47,26 @@ def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # 
     everything = layouts(graph, stages, [True] * len(names), tiles=(16,), max_depth=2)
     keys = [tuple(sorted(lay.tiled.items())) for lay in everything]
     assert len(keys) == len(set(keys))  # no layout twice
+    assert all("host" not in lay.fuse for lay in everything)  # host memory only when asked
     by = {(lay.depth, lay.fuse): lay for lay in everything}
-    fused = {mode: {names[s] for s, (_t, f) in lay.tiled.items() if f}
+    fused = {mode: {names[s] for s, (_t, out) in lay.tiled.items() if out == "fused"}
              for (depth, mode), lay in by.items() if depth == 1}
     assert fused["none"] == set()
     assert fused["chain"] == {"up"}  # the decoder stage feeds the head only
     assert "head" not in fused["all"] and "up" in fused["all"]
+    # with host memory allowed: "host" keeps every output that only tiled stages read
+    # (the skip, read by the encoder's "down" and the decoder's "up"; the decoder's output,
+    # read by the head) in host memory; "chain+host" fuses the chain and keeps the rest
+    # there. Both come after "chain" (no host traffic) and before "all" (recomputation).
+    with_host = layouts(graph, stages, [True] * len(names), tiles=(16,), host=True)
+    order = [lay.fuse for lay in with_host if lay.depth == 1]
+    assert order == ["none", "chain", "host", "chain+host", "all"]
+    outputs = {lay.fuse: {names[s]: out for s, (_t, out) in lay.tiled.items()}
+               for lay in with_host if lay.depth == 1}
+    assert outputs["host"] == {"stem": "host", "down": "device", "up": "host",
+                               "head": "device"}
+    assert outputs["chain+host"] == {"stem": "host", "down": "device", "up": "fused",
+                                     "head": "device"}
     # a stage whose output is at half resolution gets half the tile
     lay = by[(1, "none")]
     assert lay.tiled[names.index("down")][0] == (8, 8, 8)
@@ -106,3 +120,28 @@ def test_a_tiled_plan_keeps_the_stages_that_still_fit() -> None:
     recomputed = remat3d.measure(remat3d.apply(meta_copy(net), layout), SHAPE, device="meta")
     assert plan.extra_flops is not None and plan.step_flops is not None
     assert plan.step_flops + plan.extra_flops < recomputed.flops
+
+
+def test_with_offload_the_skip_goes_to_the_host_instead_of_being_recomputed() -> None:
+    """At the smallest budget tiling reaches without host memory (the skip fused into
+    both of its readers, recomputed in each), allowing offload keeps the skip in host
+    memory instead: the same budget at fewer FLOPs, and the plan says how much host
+    memory it holds."""
+    torch.manual_seed(0)
+    net = TinyUNet()
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat3d.plan(net, SHAPE, budget=1)
+    smallest = info.value.smallest_feasible_bytes
+    device_only = remat3d.plan(net, SHAPE, budget=smallest)
+    hosted = remat3d.plan(net, SHAPE, budget=smallest, offload=True)
+    assert "stem" in [r.module for r in hosted.regions if r.host]
+    assert hosted.verified_peak_bytes is not None and hosted.verified_peak_bytes <= smallest
+    assert hosted.verified_host_bytes and hosted.verified_host_bytes >= 4 * 32**3 * 4
+    assert device_only.extra_flops is not None and hosted.extra_flops is not None
+    assert hosted.extra_flops < device_only.extra_flops
+    assert "output on host" in hosted.summary()
+    net = net.double()
+    tiled = copy.deepcopy(net)
+    remat3d.apply(tiled, hosted)
+    x = torch.randn(SHAPE, dtype=torch.float64)
+    assert_same_step(_step(net, x), _step(tiled, x), 1e-12)

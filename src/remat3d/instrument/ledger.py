@@ -74,14 +74,16 @@ class StorageLedger:
         return self.records.get(self.key(t))
 
     def add(
-        self, t: torch.Tensor, category: str, producer: int | None, phase: str
+        self, t: torch.Tensor, category: str, producer: int | None, phase: str,
+        device: str | None = None,
     ) -> StorageRecord | None:
-        """Count ``t``'s storage if it is new; return the record if it was added."""
+        """Count ``t``'s storage if it is new; return the record if it was added.
+        ``device`` books it elsewhere than ``t.device`` (host memory on meta)."""
         storage = t.untyped_storage()
         key = id(storage)
         if key in self.records:
             return None
-        device = str(t.device)
+        device = device or str(t.device)
         record = StorageRecord(
             uid=self._next_uid,
             nbytes=allocation_bytes(storage.nbytes(), t.device.type),

@@ -12,6 +12,12 @@ is active (forward, backward, recomputation; on meta, cpu or cuda tensors) and k
 - FLOPs per invocation and phase, and (optionally) op wall time;
 - the tensors passed between module invocations in forward (the edges of the CostGraph).
 
+Host memory on meta: a meta step has one device, so tensors that stand for host buffers
+(tiled runs' host-resident outputs, ``nn/tiling/host.py``) are booked under ``"cpu"``: those
+made under ``placement("host")``, and the results of ops that read only host tensors
+(autograd summing two host gradients), unless made under ``placement("device")``.
+:attr:`MemoryTracker.host_peak_bytes` is their high-water mark.
+
 What it cannot see: scratch memory a kernel allocates and frees inside one op (cuDNN/oneDNN
 workspaces, im2col buffers). That is a property of the kernel library, not of the model or
 the plan; ``reference.py`` measures it separately on CPU.
@@ -39,9 +45,11 @@ from torch.utils._pytree import tree_leaves
 from remat3d.instrument.flops import op_flops
 from remat3d.instrument.invocations import Invocation, InvocationRecorder
 from remat3d.instrument.ledger import StorageLedger, StorageRecord
-from remat3d.runtime.state import is_recomputing
+from remat3d.runtime.state import current_placement, is_recomputing
 
-__all__ = ["PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
+__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
+
+HOST = "cpu"  # where host-resident tensors of a meta step are booked
 
 PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "optimizer", "saved",
                    "transient")
@@ -111,6 +119,7 @@ class MemoryTracker(TorchDispatchMode):
         self.timeline: list[TimelineEvent] = []
         self.phase = "forward"
         self.peak_bytes = 0
+        self.host_peak_bytes = 0  # host memory a meta/cuda step held at most
         self.peak_event: int | None = None  # None: the peak is the starting state
         self.flops: dict[str, int] = {"forward": 0, "backward": 0, "recompute": 0}
         self.node_flops: dict[tuple[int | None, str], int] = {}
@@ -193,6 +202,9 @@ class MemoryTracker(TorchDispatchMode):
                     inv.output_bytes += record.nbytes
 
     def _update_peak(self, event: int | None) -> None:
+        if self.device != HOST:
+            self.host_peak_bytes = max(self.host_peak_bytes,
+                                       self.ledger.live_bytes.get(HOST, 0))
         live = self.live()
         if live > self.peak_bytes:
             self.peak_bytes = live
@@ -232,8 +244,10 @@ class MemoryTracker(TorchDispatchMode):
             key = (node, phase)
             self.node_seconds[key] = self.node_seconds.get(key, 0.0) + time.perf_counter() - start
 
+        where = self._host_or_none(args, kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and self.ledger.add(t, "activation", node, phase) is None:
+            if isinstance(t, torch.Tensor) and \
+                    self.ledger.add(t, "activation", node, phase, device=where) is None:
                 self.ledger.refresh(t)
         if func._schema.is_mutable:  # in-place / out= ops may have resized an argument
             for t in tree_leaves((args, kwargs)):
@@ -254,6 +268,19 @@ class MemoryTracker(TorchDispatchMode):
         )
         self._update_peak(len(self.timeline) - 1)
         return out
+
+    def _host_or_none(self, args: tuple, kwargs: dict) -> str | None:
+        """``HOST`` when an op's new tensors are host memory on a meta step (module NOTE)."""
+        if self.device != "meta":
+            return None
+        where = current_placement()
+        if where is not None:
+            return HOST if where == "host" else None
+        records = [self.ledger.lookup(t) for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)]
+        if records and all(r is not None and r.device == HOST for r in records):
+            return HOST
+        return None
 
     def _record_edges(self, node: int, args: tuple, kwargs: dict) -> None:
         for t in tree_leaves((args, kwargs)):

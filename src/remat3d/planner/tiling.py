@@ -16,15 +16,20 @@ NOTE [ Tiling layouts ]
      ``"chain"`` fuses a tiled stage whose output has exactly one reader, itself tiled (a
      decoder stage and its 1x1 head become one run: no full-resolution output and no
      gradient of it); ``"all"`` fuses every tiled stage whose readers are all tiled (a
-     skip connection read by an encoder run and a decoder run is recomputed in both:
-     the least memory, the most FLOPs).
+     skip connection read by an encoder run and a decoder run is recomputed in both: the
+     least device memory without host memory, the most FLOPs). Only when offload is
+     allowed: ``"host"`` keeps the output of every tiled stage whose readers are all
+     tiled in host memory (NOTE [ Host-resident tiled outputs ]: the output and its
+     gradient leave the device, nothing is recomputed, the price is copies);
+     ``"chain+host"`` fuses as ``"chain"`` does and keeps the other such outputs there.
   4. Stages that are not tiled are recomputed (regions that keep only their inputs); the
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
      recomputed keeping its convolution outputs) while the verified peak still fits
      (``planning._prune_regions``). So a tiled plan mixes tile / recompute / keep.
-  5. Expected cost order (cheapest first): fewer levels, then less fusion, then larger
-     tiles. Each normalisation inside a run costs extra passes over the run and fusion
+  5. Expected cost order (cheapest first): fewer levels, then ``none``, ``chain``,
+     ``host``, ``chain+host``, ``all`` (host memory only when the device alone does not
+     do; copies before recomputation), then larger tiles. Each normalisation inside a run costs extra passes over the run and fusion
      puts more normalisations in a run; smaller tiles add halo overlap. The order is a
      heuristic; the memory of each layout is measured, never guessed.
 """
@@ -37,19 +42,23 @@ from dataclasses import dataclass, field
 from remat3d.graph import CostGraph
 from remat3d.planner.stages import StageModel
 
-__all__ = ["FUSE_MODES", "Layout", "layouts", "stage_levels"]
+__all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "layouts", "stage_levels"]
 
-FUSE_MODES = ("none", "chain", "all")
+FUSE_MODES = ("none", "chain", "host", "chain+host", "all")
+# where a tiled stage's output lives: stored on the device, fused into its readers, or
+# stored in host memory
+OUTPUTS = ("device", "fused", "host")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One tiling layout: stage index -> (output tile edge per axis, fused)."""
+    """One tiling layout: stage index -> (output tile edge per axis, where its output
+    lives: one of :data:`OUTPUTS`)."""
 
     depth: int
     fuse: str
     tile: int  # full-resolution tile edge
-    tiled: dict[int, tuple[tuple[int, int, int], bool]] = field(default_factory=dict)
+    tiled: dict[int, tuple[tuple[int, int, int], str]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -114,12 +123,14 @@ def _edges(shape: list[int] | None) -> tuple[int, int, int] | None:
 
 
 def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
-            tiles: tuple[int, ...] | None = None, max_depth: int = 2) -> list[Layout]:
+            tiles: tuple[int, ...] | None = None, max_depth: int = 2,
+            host: bool = False) -> list[Layout]:
     """Every layout to try, cheapest expected first (NOTE [ Tiling layouts ] rule 5).
 
     ``tileable[s]`` says whether stage ``s`` can run tiled (its ops are spatially local:
     checked on the torch side). ``tiles`` are full-resolution tile edges; by default a half
-    and a quarter of the largest volume's shortest edge (at least 16).
+    and a quarter of the largest volume's shortest edge (at least 16). ``host``: also the
+    layouts that keep tiled outputs in host memory (rule 3).
     """
     levels = stage_levels(graph, model)
     readers = _readers(graph, model)
@@ -140,8 +151,10 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
         if not chosen:
             continue
         for fuse in FUSE_MODES:
+            if "host" in fuse and not host:
+                continue
             for t in tiles:
-                tiled: dict[int, tuple[tuple[int, int, int], bool]] = {}
+                tiled: dict[int, tuple[tuple[int, int, int], str]] = {}
                 for s in chosen:
                     edges = full[s]
                     assert edges is not None
@@ -149,8 +162,13 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
                                  for e, top in zip(edges, top_edges))
                     rd = readers[s]
                     inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
-                    fused = inner and (fuse == "all" or (fuse == "chain" and len(rd) == 1))
-                    tiled[s] = (size, fused)  # type: ignore[assignment]
+                    output = "device"
+                    chain = fuse.startswith("chain") and len(rd) == 1
+                    if inner and (fuse == "all" or chain):
+                        output = "fused"
+                    elif inner and fuse.endswith("host"):
+                        output = "host"
+                    tiled[s] = (size, output)  # type: ignore[assignment]
                 key = tuple(sorted(tiled.items()))
                 if key in seen:  # e.g. "chain" equal to "none" on this graph
                     continue

@@ -347,8 +347,8 @@ class _PlannedForward:
         size = region.tile or [1]
         edge = size[0] if len(size) == 1 else tuple(size)
         fn, inputs = fold(fn, args)  # fused producers run inside this region's tiles
-        if region.fuse:
-            return defer(fn, inputs, edge, region.label)
+        if region.fuse or region.host:
+            return defer(fn, inputs, edge, region.label, host=region.host)
         return tile(fn, *inputs, tile=edge)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:

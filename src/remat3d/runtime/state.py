@@ -1,4 +1,5 @@
-"""Thread-local runtime state: are we recomputing, and what is each module called."""
+"""Thread-local runtime state: are we recomputing, where do new tensors live (host
+memory on meta), and what is each module called."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["is_recomputing", "module_name", "recomputing", "register_module_names"]
+__all__ = ["is_recomputing", "module_name", "placement", "recomputing",
+           "register_module_names"]
 
 _local = threading.local()
 _NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -42,6 +44,29 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         exit_recompute()
+
+
+@contextmanager
+def placement(where: str | None) -> Iterator[None]:
+    """Say where tensors made inside this block live, for the tracker on meta.
+
+    On the meta device host memory and device memory are both ``meta``; code that stands
+    for a host buffer (``nn/tiling/host.py``) allocates it under ``placement("host")``,
+    and copies a host tensor to the device under ``placement("device")``. ``None``: the
+    tracker decides (an op that reads only host tensors runs on the host).
+    """
+    previous = getattr(_local, "placement", None)
+    _local.placement = where
+    try:
+        yield
+    finally:
+        _local.placement = previous
+
+
+def current_placement() -> str | None:
+    """The innermost :func:`placement` (``None`` outside any)."""
+    where: str | None = getattr(_local, "placement", None)
+    return where
 
 
 def register_module_names(model: nn.Module) -> None:

@@ -19,6 +19,10 @@ NOTE [ Fused tiled regions ]
   4. A consumer that is itself ``fuse`` returns a ``Deferred`` of the composed run, so a
      chain of fused stages (decoder stage -> head) becomes one run ending where a
      consumer is not fused.
+  5. A ``Region(..., host=True)`` returns a ``Deferred`` too, whose run writes its output
+     to host memory the first time a tiled region reads it (NOTE [ Host-resident tiled
+     outputs ]); tiled readers then take that host tensor as an input and read it slice
+     by slice. Anything else materialises a device copy of it (rule 2).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
+
+from remat3d.nn.tiling.host import compute_device, to_device
 
 __all__ = ["Deferred", "defer", "fold", "materialize"]
 
@@ -45,15 +51,19 @@ class Deferred(torch.Tensor):
 
     _recipe: tuple[Callable[..., Any], tuple[torch.Tensor, ...], Any, str]
     _value: torch.Tensor | None
+    _host: bool
+    _host_value: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
                 shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                label: str = "") -> Deferred:
+                label: str = "", host: bool = False) -> Deferred:
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype,  # type: ignore[attr-defined]
                                                 device=device)
         t._recipe = (fn, tuple(inputs), tile, label)
         t._value = None
+        t._host = host
+        t._host_value = None
         return t
 
     @property
@@ -63,15 +73,30 @@ class Deferred(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         """The tensor itself, computed tiled the first time it is needed (NOTE rule 2)."""
         if self._value is None:
+            if self._host:
+                self._value = to_device(self.host_value(), self.device)
+            else:
+                from remat3d.nn.tiling.tiled import tile
+
+                fn, inputs, size, _ = self._recipe
+                self._value = tile(fn, *inputs, tile=size, device=self.device)
+        return self._value
+
+    def host_value(self) -> torch.Tensor:
+        """A host region's output in host memory, computed tiled the first time (rule 5)."""
+        assert self._host
+        if self._host_value is None:
             from remat3d.nn.tiling.tiled import tile
 
             fn, inputs, size, _ = self._recipe
-            self._value = tile(fn, *inputs, tile=size)
-        return self._value
+            self._host_value = tile(fn, *inputs, tile=size, host=True, device=self.device)
+        return self._host_value
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        state = "computed" if self._value is not None else \
+            "on host" if self._host_value is not None else "pending"
         return (f"Deferred({self.label or 'tiled run'}, shape={tuple(self.shape)}, "
-                f"dtype={self.dtype}, {'computed' if self._value is not None else 'pending'})")
+                f"dtype={self.dtype}, {state})")
 
     @staticmethod
     def is_metadata(func: Any) -> bool:
@@ -103,11 +128,18 @@ def materialize(tree: Any) -> Any:
 def fold(fn: Callable[..., Any], args: Sequence[Any]
          ) -> tuple[Callable[..., Any], list[Any]]:
     """``fn`` over ``args`` as a function of plain inputs: every pending :class:`Deferred`
-    argument is replaced by its recipe (NOTE rule 1). Inputs shared between recipes (the
-    same tensor read by two stages) appear once; a Deferred passed twice is computed once
-    per tile."""
-    if not any(isinstance(a, Deferred) and a._value is None for a in args):
-        return fn, [a.materialize() if isinstance(a, Deferred) else a for a in args]
+    argument is replaced by its recipe (NOTE rule 1), a host one by its host tensor (rule
+    5). Inputs shared between recipes (the same tensor read by two stages) appear once; a
+    Deferred passed twice is computed once per tile."""
+    def plain(a: Any) -> Any:
+        if not isinstance(a, Deferred):
+            return a
+        if a._value is None and a._host:
+            return a.host_value()
+        return a.materialize()
+
+    if not any(_pending(a) for a in args):
+        return fn, [plain(a) for a in args]
     flat: list[Any] = []
 
     def slot(t: Any) -> int:
@@ -119,11 +151,11 @@ def fold(fn: Callable[..., Any], args: Sequence[Any]
 
     recipe: list[tuple[Callable[..., Any] | None, list[int]]] = []
     for a in args:
-        if isinstance(a, Deferred) and a._value is None:
+        if _pending(a):
             producer, inputs, _tile, _label = a._recipe
             recipe.append((producer, [slot(t) for t in inputs]))
         else:
-            recipe.append((None, [slot(a.materialize() if isinstance(a, Deferred) else a)]))
+            recipe.append((None, [slot(plain(a))]))
 
     def fused(*xs: Any) -> Any:
         done: dict[tuple[int, tuple[int, ...]], Any] = {}
@@ -142,17 +174,25 @@ def fold(fn: Callable[..., Any], args: Sequence[Any]
     return fused, flat
 
 
+def _pending(a: Any) -> bool:
+    """A Deferred whose recipe a reader folds into its own run (not computed, not host)."""
+    return isinstance(a, Deferred) and a._value is None and not a._host
+
+
 def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
-          label: str = "") -> Deferred:
-    """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile``; its shape and dtype
-    come from a trace on fake tensors (no memory, no compute)."""
+          label: str = "", *, host: bool = False) -> Deferred:
+    """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` (with its output in
+    host memory: ``host``); its shape and dtype come from a trace on fake tensors (no
+    memory, no compute)."""
     from remat3d.nn.tiling.trace import TilingError, trace
     from remat3d.runtime.state import recomputing
 
+    device = compute_device(fn, inputs)
     with recomputing():
-        tr = trace(fn, inputs)
+        tr = trace(fn, inputs, device)
     if tr.returns_tuple:
+        what, fix = ("kept in host memory", "host=False") if host else ("fused", "fuse=False")
         raise TilingError(f"Tiled region {label or fn!r} returns several tensors; only a "
-                          "region with one output can be fused. Set fuse=False.")
-    return Deferred(fn, inputs, tile, tr.out_shapes[0], tr.out_dtypes[0], inputs[0].device,
-                    label)
+                          f"region with one output can be {what}. Set {fix}.")
+    return Deferred(fn, inputs, tile, tr.out_shapes[0], tr.out_dtypes[0], device, label,
+                    host)

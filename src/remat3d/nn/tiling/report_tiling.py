@@ -1,7 +1,7 @@
 """Regenerate the numbers in ``docs/tiling.md``: exactness per preset, and nnU-Net at 512³.
 
 ``python -m remat3d.nn.tiling.report_tiling [--exactness] [--size 512] [--tile 128]``
-``python -m remat3d.nn.tiling.report_tiling --layouts [--size 512]``
+``python -m remat3d.nn.tiling.report_tiling --layouts [--host] [--size 512]``
 
 - exactness: each of nnunet, unet, basicunet, segresnet, one fp32 CPU training step with
   the full-resolution stages tiled (``presets.full_resolution_plan``) against the same
@@ -120,9 +120,11 @@ def memory_rows(size: int, tile: int, setups: Sequence[str] = SETUPS) -> list[di
     return rows
 
 
-def layout_rows(size: int, amp: str | None = "bf16") -> list[dict[str, Any]]:
+def layout_rows(size: int, amp: str | None = "bf16", host: bool = False
+                ) -> list[dict[str, Any]]:
     """Every tiling layout ``remat3d.plan`` tries for nnU-Net at ``size``³, in its order
-    (NOTE [ Tiling layouts ]), each measured on meta like the planner verifies it."""
+    (NOTE [ Tiling layouts ]; ``host``: as with offload allowed), each measured on meta
+    like the planner verifies it."""
     import remat3d
     from remat3d import zoo
     from remat3d.nn.tiling.probe import tileable
@@ -138,14 +140,15 @@ def layout_rows(size: int, amp: str | None = "bf16") -> list[dict[str, Any]]:
     ok = tileable(model, shapes, amp, [(st.name, st.call_index) for st in stages.stages])
     rows = [{"setup": "untiled", "peak_bytes": prof.peak_bytes,
              "flops": prof.graph.forward_flops + prof.graph.backward_flops}]
-    for layout in layouts(prof.graph, stages, ok):
+    for layout in layouts(prof.graph, stages, ok, host=host):
         planned = zoo.build_model("nnunet", device="meta")
         remat3d.apply(planned, Plan(regions=layout_regions(stages, layout)))
         m = remat3d.measure(planned, *shapes, device="meta", amp=amp)
         rows.append({"setup": layout.label, "peak_bytes": m.peak_bytes, "flops": m.flops,
+                     "host_bytes": m.host_bytes,
                      "tiled": ", ".join(
-                         f"{stages.stages[s].name}{' (fused)' if f else ''}"
-                         for s, (_t, f) in sorted(layout.tiled.items()))})
+                         stages.stages[s].name + ("" if out == "device" else f" ({out})")
+                         for s, (_t, out) in sorted(layout.tiled.items()))})
     return rows
 
 
@@ -242,6 +245,9 @@ def main() -> None:
     parser.add_argument("--tile", type=int, default=128)
     parser.add_argument("--layouts", action="store_true",
                         help="the planner's tiling layouts at --size, instead of --setups")
+    parser.add_argument("--host", action="store_true",
+                        help="with --layouts: also the layouts that keep tiled outputs in "
+                             "host memory (the planner's with offload allowed)")
     parser.add_argument("--setups", default=";".join(SETUPS),
                         help="separated by ;, the first is the FLOP reference")
     args = parser.parse_args()
@@ -258,12 +264,13 @@ def main() -> None:
                   f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
                   flush=True)
     if args.layouts:
-        rows = layout_rows(args.size)
+        rows = layout_rows(args.size, host=args.host)
         print(f"\nnnunet {args.size}³, bf16 autocast, meta: the planner's tiling layouts")
-        print("| layout | tiled stages | step peak | FLOPs vs untiled |")
-        print("|---|---|---:|---:|")
+        print("| layout | tiled stages | step peak | host memory | FLOPs vs untiled |")
+        print("|---|---|---:|---:|---:|")
         for r in rows:
             print(f"| {r['setup']} | {r.get('tiled', '')} | {r['peak_bytes'] / GiB:.2f} GiB | "
+                  f"{r.get('host_bytes', 0) / GiB:.2f} GiB | "
                   f"{r['flops'] / rows[0]['flops']:.2f}x |", flush=True)
         return
     rows = memory_rows(args.size, args.tile, args.setups.split(";"))

@@ -42,6 +42,15 @@ from torch.autograd.function import once_differentiable
 from remat3d.nn.replay import AmpState
 from remat3d.nn.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
 from remat3d.nn.tiling.halo import Region, needed_regions, owned_region, tile_grid, union
+from remat3d.nn.tiling.host import (
+    add_into_host,
+    compute_device,
+    host_empty,
+    host_zeros_like,
+    is_host,
+    mark_host,
+    to_device,
+)
 from remat3d.nn.tiling.trace import TilingError, Trace, trace
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.state import recomputing
@@ -63,13 +72,20 @@ class TiledRun:
 
     Tiles cover the first output's volume; every other output (a skip connection leaving
     the run at another resolution, say) is split by the same boundaries, scaled.
+
+    The run computes on ``device``; inputs in host memory (NOTE [ Host-resident tiled
+    outputs ]) are read slice by slice, and ``host_outputs`` puts the outputs there.
     """
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
-                 tile: TileSize) -> None:
+                 tile: TileSize, *, device: torch.device | None = None,
+                 host_outputs: bool = False) -> None:
         self.fn = fn
+        self.device = device if device is not None else compute_device(fn, inputs)
+        self.host_inputs = [is_host(x, self.device) for x in inputs]
+        self.host_outputs = host_outputs
         with recomputing():
-            self.trace: Trace = trace(fn, inputs)
+            self.trace: Trace = trace(fn, inputs, self.device)
         self.tile = _tile_size(tile)
         tr = self.trace
         out_size = tr.sizes[tr.outputs[0]]
@@ -109,6 +125,8 @@ class TiledRun:
             full = tuple((0, n) for n in x.shape[2:])
             region = plan.get(node, ((0, 1),) * 3)  # an input this tile does not read
             xt = crop(x, full, region)
+            if self.host_inputs[i]:
+                xt = to_device(xt, self.device)
             if grad_inputs is not None:
                 xt = xt.detach().requires_grad_(grad_inputs[i])
             setattr(xt, REGION, region)
@@ -138,7 +156,8 @@ class TiledRun:
                     with _restoring_buffers(), recomputing():
                         self.run_tile(k, inputs, stop_at=j)
                 self.stats[j].finish()
-            outs = [inputs[0].new_empty(shape, dtype=dtype)
+            outs = [host_empty(shape, dtype, self.device) if self.host_outputs
+                    else torch.empty(shape, dtype=dtype, device=self.device)
                     for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
             for k in range(len(self.tiles)):
                 last = k == len(self.tiles) - 1
@@ -167,7 +186,11 @@ class TiledRun:
     def _seeded(self, k: int, ys: list[torch.Tensor], dys: Sequence[torch.Tensor | None]
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This tile's outputs that have a gradient, and their gradients' matching parts."""
-        pairs = [(y, crop(dy, _whole(dy), region))
+        def part(dy: torch.Tensor, region: Region) -> torch.Tensor:
+            dy = crop(dy, _whole(dy), region)
+            return to_device(dy, self.device) if self.host_outputs else dy
+
+        pairs = [(y, part(dy, region))
                  for y, dy, region in zip(ys, dys, self.out_owned[k])
                  if dy is not None and y.requires_grad and y.numel()]
         return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -197,12 +220,14 @@ class TiledRun:
                 sum_g = gs if sum_g is None else sum_g + gs
                 sum_gx = gx if sum_gx is None else sum_gx + gx
             if sum_g is None or sum_gx is None:
-                zero = torch.zeros((), dtype=torch.float64, device=inputs[0].device)
+                zero = torch.zeros((), dtype=torch.float64, device=self.device)
                 stats.sums = (zero, zero)
             else:
                 stats.sums = (sum_g, sum_gx)
-        dx: list[torch.Tensor | None] = [torch.zeros_like(x) if need else None
-                                         for x, need in zip(inputs, needs)]
+        dx: list[torch.Tensor | None] = [
+            None if not need else host_zeros_like(x, self.device) if host
+            else torch.zeros_like(x)
+            for x, need, host in zip(inputs, needs, self.host_inputs)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
         for k in range(len(self.tiles)):
             ys, local, _ = self.run_tile(k, inputs, grad_inputs=needs)
@@ -218,7 +243,11 @@ class TiledRun:
                     g = next(it)
                     target = dx[i]
                     if g is not None and target is not None:
-                        crop(target, _whole(target), region_of(local[i])).add_(g)
+                        part = crop(target, _whole(target), region_of(local[i]))
+                        if self.host_inputs[i]:
+                            add_into_host(part, g)
+                        else:
+                            part.add_(g)
             for i, g in enumerate(it):
                 if g is not None:  # summed over tiles in float64: no rounding added
                     previous = dparams[i]
@@ -246,7 +275,7 @@ class _TiledFunction(torch.autograd.Function):
         inputs = tensors[:n_inputs]
         ctx.run = run
         ctx.n_inputs = n_inputs
-        ctx.amp = AmpState.capture(inputs[0].device)
+        ctx.amp = AmpState.capture(run.device)
         ctx.set_materialize_grads(False)  # an output without gradient costs nothing
         ctx.save_for_backward(*inputs)
         return tuple(run.forward([x.detach() for x in inputs]))
@@ -264,7 +293,8 @@ class _TiledFunction(torch.autograd.Function):
         return (None, None, *dx, *dparams)
 
 
-def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64) -> Any:
+def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
+         host: bool = False, device: torch.device | str | None = None) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -279,6 +309,13 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64) -> 
     Forward keeps only ``inputs``; backward recomputes tile by tile (NOTE [ Tiled
     backward ]). Outputs and gradients equal ``fn(*inputs)``'s up to rounding order.
 
+    ``host=True`` returns the outputs in host memory (pinned CPU memory on CUDA): pass
+    them to other ``tile`` calls, which read them slice by slice and keep their gradients
+    on the host too, so the device never holds them (NOTE [ Host-resident tiled
+    outputs ]). Anything else needs them on the device: ``y.to(device)``. ``device``:
+    where the run computes (default: its first device-resident input's device, else its
+    first parameter's).
+
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
     ...                             torch.nn.InstanceNorm3d(4), torch.nn.ReLU())
@@ -287,7 +324,8 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64) -> 
     >>> torch.allclose(y, block(x), atol=1e-5)
     True
     """
-    run = TiledRun(fn, inputs, tile)
+    run = TiledRun(fn, inputs, tile, host_outputs=host,
+                   device=None if device is None else torch.device(device))
     params = [p for p in run.trace.params if p.requires_grad]
     needs_graph = torch.is_grad_enabled() and (any(x.requires_grad for x in inputs)
                                                or bool(params))
@@ -296,4 +334,7 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64) -> 
             outs = tuple(run.forward(list(inputs)))
     else:
         outs = _TiledFunction.apply(run, len(inputs), *inputs, *params)
+    if host:
+        for out in outs:
+            mark_host(out)
     return outs if run.trace.returns_tuple else outs[0]

@@ -363,8 +363,11 @@ class _Recorder(TorchFunctionMode):
         return SpatialOp(POINTWISE, inputs, output)
 
 
-def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Trace:
-    """Record ``fn(*inputs)`` on fake tensors (no memory, no compute, buffers untouched)."""
+def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
+          device: torch.device | None = None) -> Trace:
+    """Record ``fn(*inputs)`` on fake tensors (no memory, no compute, buffers untouched).
+    ``device``: where the run computes (inputs elsewhere, host-resident ones, are traced
+    as if on it)."""
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor) or x.dim() != 5:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -374,7 +377,11 @@ def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Trace:
     recorder = _Recorder(modules)
     with _disable_current_modes(), torch.no_grad():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = [fake_mode.from_tensor(x) for x in inputs]
+        fakes: list[torch.Tensor] = [fake_mode.from_tensor(x) for x in inputs]
+        if device is not None:
+            with fake_mode:
+                fakes = [f if f.device == device else torch.empty_like(f, device=device)
+                         for f in fakes]
         nodes = [recorder.new_node(f) for f in fakes]
         with modules, BufferGuard(modules), fake_mode, recorder:
             out = fn(*fakes)
