@@ -119,7 +119,8 @@ def plan_command(
     strategy: str = typer.Option("optimal", "--strategy", "-s",
                                  help="optimal (default), none, blocks, selective, uniform, "
                                       "sqrt, balanced or recursive."),
-    offload: bool = typer.Option(False, "--offload", help="Allow offload to host memory."),
+    offload: bool = typer.Option(False, "--offload", help=(
+        "Allow host memory: offloaded saved tensors, and tiled outputs kept on the host.")),
     tile: bool = typer.Option(True, "--tile/--no-tile",
                               help="Let optimal tile full-resolution stages when no "
                                    "recompute plan fits (exact; costs extra passes)."),

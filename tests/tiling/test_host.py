@@ -145,3 +145,30 @@ def test_a_region_with_two_outputs_cannot_be_kept_on_the_host() -> None:
     remat3d.apply(net, Plan(regions=[Region("0", decision="tile", tile=[4], host=True)]))
     with pytest.raises(remat3d.TilingError, match="kept in host memory. Set host=False"):
         net(torch.randn(1, 1, 8, 8, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fuse", ["host", "chain+host"])
+def test_nnunet_layouts_with_host_outputs_equal_the_untiled_step(fuse: str) -> None:
+    """The planner's host layouts on MONAI's DynUNet (two levels tiled: the skip and the
+    half-resolution map on the host), in float64 on the CPU."""
+    from remat3d import zoo
+    from remat3d.planner.stages import build_stages
+    from remat3d.planner.tiling import layouts
+    from remat3d.planning import layout_regions
+
+    shape = (1, 1, 64, 64, 64)  # the least that leaves the bottleneck more than one voxel
+    torch.manual_seed(0)
+    net = zoo.build_model("nnunet", spatial_size=shape[2:])
+    prof = remat3d.profile(net, shape, device="meta")
+    net = net.double()
+    stages = build_stages(prof.graph)
+    layout = next(lay for lay in layouts(prof.graph, stages, [True] * len(stages.stages),
+                                         tiles=(32,), host=True)
+                  if lay.depth == 2 and lay.fuse == fuse)
+    regions = layout_regions(stages, layout)
+    assert sum(r.host for r in regions) >= 2
+    tiled = copy.deepcopy(net)
+    remat3d.apply(tiled, Plan(regions=regions))
+    x = torch.randn(shape, dtype=torch.float64)
+    assert_same_step(_step(net, x), _step(tiled, x), 1e-9)

@@ -347,9 +347,12 @@ class _PlannedForward:
         size = region.tile or [1]
         edge = size[0] if len(size) == 1 else tuple(size)
         fn, inputs = fold(fn, args)  # fused producers run inside this region's tiles
+        # where the run computes: the module's own device (its inputs may be in host memory)
+        device = next((t.device for t in [*self.module.parameters(), *self.module.buffers()]),
+                      None)
         if region.fuse or region.host:
-            return defer(fn, inputs, edge, region.label, host=region.host)
-        return tile(fn, *inputs, tile=edge)
+            return defer(fn, inputs, edge, region.label, host=region.host, device=device)
+        return tile(fn, *inputs, tile=edge, device=device)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

@@ -180,14 +180,15 @@ def _pending(a: Any) -> bool:
 
 
 def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
-          label: str = "", *, host: bool = False) -> Deferred:
-    """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` (with its output in
-    host memory: ``host``); its shape and dtype come from a trace on fake tensors (no
-    memory, no compute)."""
+          label: str = "", *, host: bool = False, device: torch.device | None = None
+          ) -> Deferred:
+    """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` on ``device`` (with
+    its output in host memory: ``host``); its shape and dtype come from a trace on fake
+    tensors (no memory, no compute)."""
     from remat3d.nn.tiling.trace import TilingError, trace
     from remat3d.runtime.state import recomputing
 
-    device = compute_device(fn, inputs)
+    device = device if device is not None else compute_device(fn, inputs)
     with recomputing():
         tr = trace(fn, inputs, device)
     if tr.returns_tuple:
