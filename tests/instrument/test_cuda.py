@@ -51,7 +51,7 @@ def test_host_resident_tiled_outputs_leave_the_device():
 
     from remat3d.planner.stages import build_stages
     from remat3d.planner.tiling import layouts
-    from remat3d.planning import layout_regions
+    from remat3d.planning_tiled import layout_regions
     from remat3d.planspec import Plan
     from remat3d.profiling import profile
     from remat3d.runtime.apply import apply

@@ -155,7 +155,7 @@ def test_nnunet_layouts_with_host_outputs_equal_the_untiled_step(fuse: str) -> N
     from remat3d import zoo
     from remat3d.planner.stages import build_stages
     from remat3d.planner.tiling import layouts
-    from remat3d.planning import layout_regions
+    from remat3d.planning_tiled import layout_regions
 
     shape = (1, 1, 64, 64, 64)  # the least that leaves the bottleneck more than one voxel
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ NOTE [ Tiling layouts ]
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
      recomputed keeping its convolution outputs) while the verified peak still fits
-     (``planning._prune_regions``). So a tiled plan mixes tile / recompute / keep.
+     (``planning_tiled.prune_tiled``). So a tiled plan mixes tile / recompute / keep.
   5. Expected cost order (cheapest first): fewer levels, then ``none``, ``chain``,
      ``host``, ``chain+host``, ``all`` (host memory only when the device alone does not
      do; copies before recomputation), then larger tiles. Each normalisation inside a run costs extra passes over the run and fusion

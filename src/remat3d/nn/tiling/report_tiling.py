@@ -130,7 +130,7 @@ def layout_rows(size: int, amp: str | None = "bf16", host: bool = False
     from remat3d.nn.tiling.probe import tileable
     from remat3d.planner.stages import build_stages
     from remat3d.planner.tiling import layouts
-    from remat3d.planning import layout_regions
+    from remat3d.planning_tiled import layout_regions
     from remat3d.planspec import Plan
 
     model = zoo.build_model("nnunet", device="meta")
