@@ -76,14 +76,19 @@ def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # 
     assert all(names.index("up") not in lay.tiled for lay in no_up)
 
 
+def _smallest_budget(net: TinyUNet, **options: bool) -> int:
+    """The smallest budget an infeasible budget's error names."""
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat3d.plan(net, SHAPE, budget=1, **options)
+    return info.value.smallest_feasible_bytes
+
+
 def test_optimal_tiles_below_the_recomputation_floor() -> None:
     torch.manual_seed(0)
     net = TinyUNet()
     # every budget below the least peak of keep/recompute plans was infeasible before
     # tiling existed; the error's number now includes tiled layouts
-    with pytest.raises(InfeasibleBudgetError) as info:
-        remat3d.plan(net, SHAPE, budget=1)
-    smallest = info.value.smallest_feasible_bytes
+    smallest = _smallest_budget(net)
     plan = remat3d.plan(net, SHAPE, budget=smallest)
     assert any(r.decision == "tile" for r in plan.regions)
     assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
@@ -108,9 +113,7 @@ def test_a_tiled_plan_keeps_the_stages_that_still_fit() -> None:
     net = TinyUNet()
     floors = []
     for tile in (True, False):
-        with pytest.raises(InfeasibleBudgetError) as info:
-            remat3d.plan(net, SHAPE, budget=1, tile=tile)
-        floors.append(info.value.smallest_feasible_bytes)
+        floors.append(_smallest_budget(net, tile=tile))
     budget = sum(floors) // 2
     plan = remat3d.plan(net, SHAPE, budget=budget)
     assert any(r.decision == "tile" for r in plan.regions)
@@ -129,9 +132,7 @@ def test_with_offload_the_skip_goes_to_the_host_instead_of_being_recomputed() ->
     memory it holds."""
     torch.manual_seed(0)
     net = TinyUNet()
-    with pytest.raises(InfeasibleBudgetError) as info:
-        remat3d.plan(net, SHAPE, budget=1)
-    smallest = info.value.smallest_feasible_bytes
+    smallest = _smallest_budget(net)
     device_only = remat3d.plan(net, SHAPE, budget=smallest)
     hosted = remat3d.plan(net, SHAPE, budget=smallest, offload=True)
     assert "stem" in [r.module for r in hosted.regions if r.host]

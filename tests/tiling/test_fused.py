@@ -83,13 +83,20 @@ FUSED = [Region("stem", decision="tile", tile=[6, 7, 5], fuse=True),
          Region("head", decision="tile", tile=[6, 7, 5])]
 
 
+# the stem's output (the skip connection) read by two tiled regions, kept in host memory
+# instead of fused (NOTE [ Host-resident tiled outputs ]; more in test_host.py)
+HOST = [Region("stem", decision="tile", tile=[6, 7, 5], host=True), *FUSED[1:]]
+
+
+@pytest.mark.parametrize("regions", [FUSED, HOST], ids=["fused", "host"])
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-12),
                                                   (torch.float32, 1e-5)])
-def test_fused_regions_equal_the_untiled_step(dtype: torch.dtype, tolerance: float) -> None:
+def test_fused_regions_equal_the_untiled_step(regions: list[Region], dtype: torch.dtype,
+                                              tolerance: float) -> None:
     torch.manual_seed(0)
     net = TinyUNet().to(dtype)
     tiled = copy.deepcopy(net)
-    remat3d.apply(tiled, Plan(regions=FUSED))
+    remat3d.apply(tiled, Plan(regions=regions))
     x = torch.randn(1, 1, 16, 14, 12, dtype=dtype)
     assert_same_step(_step(net, x), _step(tiled, x), tolerance)
     assert int(tiled.up.norm.num_batches_tracked) == 1  # BatchNorm updated once
@@ -141,12 +148,16 @@ def test_fuse_needs_a_tiled_region_and_round_trips() -> None:
     assert not any(r.fuse for r in Plan.from_dict(data).regions)
 
 
-def test_a_region_with_two_outputs_cannot_be_fused() -> None:
+@pytest.mark.parametrize(("flag", "message"), [("fuse", "can be fused. Set fuse=False"),
+                                               ("host", "can be kept in host memory. Set host=False")])
+def test_a_region_with_two_outputs_cannot_be_fused_or_kept_on_the_host(
+        flag: str, message: str) -> None:
     class Two(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x + 1, x * 2
 
     net = nn.Sequential(Two())
-    remat3d.apply(net, Plan(regions=[Region("0", decision="tile", tile=[4], fuse=True)]))
-    with pytest.raises(remat3d.TilingError, match="only a region with one output"):
+    region = Region("0", decision="tile", tile=[4], **{flag: True})
+    remat3d.apply(net, Plan(regions=[region]))
+    with pytest.raises(remat3d.TilingError, match=f"only a region with one output {message}"):
         net(torch.randn(1, 1, 8, 8, 8))

@@ -74,9 +74,7 @@ def host_empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device
 
 
 def host_zeros_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    out = host_empty(t.shape, t.dtype, device)
-    with placement("host"):
-        return out.zero_()
+    return host_empty(t.shape, t.dtype, device).zero_()  # in place: still host memory
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
