@@ -276,6 +276,8 @@ class MemoryTracker(TorchDispatchMode):
         where = current_placement()
         if where is not None:
             return HOST if where == "host" else None
+        if not self.ledger.live_bytes.get(HOST):  # no host tensor alive: the usual case
+            return None
         records = [self.ledger.lookup(t) for t in tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor)]
         if records and all(r is not None and r.device == HOST for r in records):
