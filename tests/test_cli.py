@@ -64,6 +64,8 @@ def test_profile_model_file(tmp_path):
     (["profile", "no_such_pkg.mod:Net"], "Cannot import module 'no_such_pkg.mod'"),
     (["profile", "nnunet", "--amp", "fp8", "--input", "1x1x64x64x64"], "none, bf16, fp16"),
     (["profile", "nnunet", "--model-kwargs", "[1, 2]"], "mapping"),
+    (["plan", "basicunet", "--input", "1x1x32x32x32", "--budget", "1GiB", "--offload",
+      "--host-budget", "lots"], "Cannot read 'lots' as a byte size"),
 ])
 def test_user_errors_are_one_clear_line(args, message):
     result = runner.invoke(app, args)

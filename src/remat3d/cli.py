@@ -121,6 +121,9 @@ def plan_command(
                                       "sqrt, balanced or recursive."),
     offload: bool = typer.Option(False, "--offload", help=(
         "Allow host memory: offloaded saved tensors, and tiled outputs kept on the host.")),
+    host_budget: str = typer.Option(
+        None, "--host-budget", help="With --offload: the most host memory the plan may use "
+        "(32GiB); default: no limit."),
     tile: bool = typer.Option(True, "--tile/--no-tile",
                               help="Let optimal tile full-resolution stages when no "
                                    "recompute plan fits (exact; costs extra passes)."),
@@ -143,7 +146,7 @@ def plan_command(
     with status:
         base = profile(net, shape, amp=amp_)
         result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
-                           amp=amp_, tile=tile)
+                           amp=amp_, tile=tile, host_budget=host_budget)
     if out:
         result.save(out)
     if json_out:

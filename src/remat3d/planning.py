@@ -115,6 +115,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     verify: bool = True,
     tile: bool = True,
+    host_budget: str | int | None = None,
 ) -> Plan:
     """Plan checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -131,6 +132,10 @@ def plan(
             recompute / offload decisions fits (``planner/tiling.py``; exact, but each
             normalisation in a tiled run costs extra passes). ``False``: such a budget is
             an error naming the smallest budget without tiling.
+        host_budget: the most host memory the plan may use (``"32GiB"``, bytes; ``None``:
+            no limit): offloaded saved tensors past it stay on the device (and count
+            there when the plan is verified), and tiling layouts whose tiled outputs
+            hold more of it on the host are passed over.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes, amp, budget, strategy,
@@ -149,8 +154,9 @@ def plan(
     fingerprint = model_fingerprint(model)
     # deterministic algorithms change which kernels (and temporaries) some ops use on meta;
     # the loss function is part of the step (by identity: a new function plans again)
+    host_bytes = None if host_budget is None else parse_bytes(host_budget)
     key = (model_signature(model), tuple(shapes), amp, budget, strategy, offload, tile,
-           torch.are_deterministic_algorithms_enabled(), loss_fn)
+           torch.are_deterministic_algorithms_enabled(), loss_fn, host_bytes)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
@@ -200,6 +206,7 @@ def plan(
             model=type(model).__name__, model_fingerprint=fingerprint,
             input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
             strategy=strategy, predicted_peak_bytes=stages.peak(result.decisions),
+            host_budget_bytes=host_bytes,
         )
         if verify:
             return check(candidate)
@@ -226,7 +233,8 @@ def plan(
                 # (planner/tiling.py)
                 header = Plan(model=type(model).__name__, model_fingerprint=fingerprint,
                               input_shapes=[list(s) for s in shapes], amp=amp,
-                              budget_bytes=budget_bytes, strategy=strategy)
+                              budget_bytes=budget_bytes, strategy=strategy,
+                              host_budget_bytes=host_bytes)
                 chosen, tiled_smallest = tiled_plan(model, shapes, amp, prof.graph, stages,
                                                 options, budget_bytes, check, header)
                 smallest = min(smallest, tiled_smallest)
@@ -236,11 +244,15 @@ def plan(
             raise InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
                 f"{type(model).__name__} {' '.join('x'.join(map(str, s)) for s in shapes)} "
-                f"(amp={amp or 'none'}{', offload' if offload else ''}): the smallest "
+                f"(amp={amp or 'none'}{', offload' if offload else ''}"
+                f"{'' if host_bytes is None else ', host memory ' + format_bytes(host_bytes)}"
+                "): the smallest "
                 f"feasible budget is {format_bytes(smallest)} ({smallest} bytes); the "
                 f"unplanned peak is {format_bytes(prof.peak_bytes)}."
                 + ("" if offload else " Allowing offload (offload=True) may lower it.")
-                + ("" if tile else " Allowing tiling (tile=True; --tile) may lower it."),
+                + ("" if tile else " Allowing tiling (tile=True; --tile) may lower it.")
+                + ("" if host_bytes is None or not offload
+                   else " A larger host budget (host_budget) may lower it."),
                 smallest_feasible_bytes=smallest, unplanned_peak_bytes=prof.peak_bytes,
             )
     assert chosen is not None

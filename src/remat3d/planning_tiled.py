@@ -46,7 +46,8 @@ def tiled_plan(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
            stages: StageModel, options: PlannerOptions, budget: int,
            check: Callable[[Plan], Plan], header: Plan) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
-    verified peak fits ``budget``, and the smallest verified peak among those tried.
+    verified peak fits ``budget`` (and whose host memory fits ``header``'s host budget),
+    and the smallest verified peak among those tried that fit the host budget.
 
     Each layout tiles its stages and recomputes every other stage (``prune_tiled``
     then keeps what still fits); layouts whose verified peak exceeds the budget are
@@ -67,8 +68,12 @@ def tiled_plan(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
             log.info("tiling layout %s skipped: %s", layout.label, exc)
             continue
         peak = candidate.verified_peak_bytes or 0
-        log.info("tiling layout %s: verified peak %s, extra %.3g FLOPs", layout.label,
-                 format_bytes(peak), candidate.extra_flops or 0)
+        host = candidate.verified_host_bytes or 0
+        log.info("tiling layout %s: verified peak %s, host %s, extra %.3g FLOPs",
+                 layout.label, format_bytes(peak), format_bytes(host),
+                 candidate.extra_flops or 0)
+        if header.host_budget_bytes is not None and host > header.host_budget_bytes:
+            continue
         smallest = min(smallest, peak)
         if peak <= budget:
             return candidate, smallest

@@ -132,7 +132,9 @@ class Plan:
     budget_bytes: int | None = None
     strategy: str = "manual"
     offload_min_bytes: int = 1 << 20  # smaller saved tensors stay on the device
-    host_budget_bytes: int | None = None  # None: no limit on host memory for offload
+    # the most host memory the plan may use (None: no limit): offloaded saved tensors past
+    # it stay on the device; the planner passes over tiled layouts that hold more there
+    host_budget_bytes: int | None = None
     # offload: in backward, start copying the previous region's tensors back as soon as a
     # region's are needed (hides the copy; holds both regions' tensors for a while)
     prefetch: bool = True

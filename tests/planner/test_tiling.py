@@ -141,6 +141,11 @@ def test_with_offload_the_skip_goes_to_the_host_instead_of_being_recomputed() ->
     assert device_only.extra_flops is not None and hosted.extra_flops is not None
     assert hosted.extra_flops < device_only.extra_flops
     assert "output on host" in hosted.summary()
+    # a host budget below what that plan holds there: another layout, within both budgets
+    cap = hosted.verified_host_bytes - 1
+    limited = remat3d.plan(net, SHAPE, budget=smallest, offload=True, host_budget=cap)
+    assert (limited.verified_host_bytes or 0) <= cap and limited.host_budget_bytes == cap
+    assert limited.verified_peak_bytes is not None and limited.verified_peak_bytes <= smallest
     net = net.double()
     tiled = copy.deepcopy(net)
     remat3d.apply(tiled, hosted)
