@@ -57,10 +57,14 @@ def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # 
     # with host memory allowed: "host" keeps every output that only tiled stages read
     # (the skip, read by the encoder's "down" and the decoder's "up"; the decoder's output,
     # read by the head) in host memory; "chain+host" fuses the chain and keeps the rest
-    # there. Both come after "chain" (no host traffic) and before "all" (recomputation).
+    # there. In a level: none, host, chain, chain+host; full fusion ("all", recomputing
+    # the skip in both readers) after every other layout of every level.
     with_host = layouts(graph, stages, [True] * len(names), tiles=(16,), host=True)
     order = [lay.fuse for lay in with_host if lay.depth == 1]
-    assert order == ["none", "chain", "host", "chain+host", "all"]
+    assert order == ["none", "host", "chain", "chain+host", "all"]
+    first_all = [lay.fuse for lay in with_host].index("all")
+    assert all(lay.fuse == "all" for lay in with_host[first_all:])
+    assert {lay.depth for lay in with_host[:first_all]} == {1, 2}
     outputs = {lay.fuse: {names[s]: out for s, (_t, out) in lay.tiled.items()}
                for lay in with_host if lay.depth == 1}
     assert outputs["host"] == {"stem": "host", "down": "device", "up": "host",

@@ -27,9 +27,13 @@ NOTE [ Tiling layouts ]
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
      recomputed keeping its convolution outputs) while the verified peak still fits
      (``planning_tiled.prune_tiled``). So a tiled plan mixes tile / recompute / keep.
-  5. Expected cost order (cheapest first): fewer levels, then ``none``, ``chain``,
-     ``host``, ``chain+host``, ``all`` (host memory only when the device alone does not
-     do; copies before recomputation), then larger tiles. Each normalisation inside a run costs extra passes over the run and fusion
+  5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
+     ``host``, ``chain``, ``chain+host``; then ``all`` level by level; within each, larger
+     tiles first. Full fusion comes last because it recomputes a stage with
+     normalisations in every reader's run (each normalisation costs a pass over the run:
+     nnU-Net at 512³, ``all`` at one level costs 3.5x the FLOPs, two levels of ``none``
+     2.5x); ``host`` copies instead of recomputing, ``chain`` fuses into a single reader
+     (the cheapest fusion: a decoder stage into a 1x1 head adds nothing). Each normalisation inside a run costs extra passes over the run and fusion
      puts more normalisations in a run; smaller tiles add halo overlap. The order is a
      heuristic; the memory of each layout is measured, never guessed.
 """
@@ -44,7 +48,7 @@ from remat3d.planner.stages import StageModel
 
 __all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "layouts", "stage_levels"]
 
-FUSE_MODES = ("none", "chain", "host", "chain+host", "all")
+FUSE_MODES = ("none", "host", "chain", "chain+host", "all")  # rule 5's order in a level
 # where a tiled stage's output lives: stored on the device, fused into its readers, or
 # stored in host memory
 OUTPUTS = ("device", "fused", "host")
@@ -145,33 +149,34 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
                              reverse=True))
     out: list[Layout] = []
     seen: set[tuple] = set()
-    for depth in range(1, max_depth + 1):
+    # rule 5: level by level without full fusion, then full fusion level by level
+    order = [(depth, fuse) for depth in range(1, max_depth + 1)
+             for fuse in FUSE_MODES if fuse != "all"]
+    order += [(depth, "all") for depth in range(1, max_depth + 1)]
+    for depth, fuse in order:
         chosen = [s for s, lv in enumerate(levels)
                   if lv is not None and lv < depth and tileable[s] and full[s] is not None]
-        if not chosen:
+        if not chosen or ("host" in fuse and not host):
             continue
-        for fuse in FUSE_MODES:
-            if "host" in fuse and not host:
+        for t in tiles:
+            tiled: dict[int, tuple[tuple[int, int, int], str]] = {}
+            for s in chosen:
+                edges = full[s]
+                assert edges is not None
+                size = tuple(max(1, min(e, round(t * e / top)))
+                             for e, top in zip(edges, top_edges))
+                rd = readers[s]
+                inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
+                output = "device"
+                chain = fuse.startswith("chain") and len(rd) == 1
+                if inner and (fuse == "all" or chain):
+                    output = "fused"
+                elif inner and fuse.endswith("host"):
+                    output = "host"
+                tiled[s] = (size, output)  # type: ignore[assignment]
+            key = tuple(sorted(tiled.items()))
+            if key in seen:  # e.g. "chain" equal to "none" on this graph
                 continue
-            for t in tiles:
-                tiled: dict[int, tuple[tuple[int, int, int], str]] = {}
-                for s in chosen:
-                    edges = full[s]
-                    assert edges is not None
-                    size = tuple(max(1, min(e, round(t * e / top)))
-                                 for e, top in zip(edges, top_edges))
-                    rd = readers[s]
-                    inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
-                    output = "device"
-                    chain = fuse.startswith("chain") and len(rd) == 1
-                    if inner and (fuse == "all" or chain):
-                        output = "fused"
-                    elif inner and fuse.endswith("host"):
-                        output = "host"
-                    tiled[s] = (size, output)  # type: ignore[assignment]
-                key = tuple(sorted(tiled.items()))
-                if key in seen:  # e.g. "chain" equal to "none" on this graph
-                    continue
-                seen.add(key)
-                out.append(Layout(depth=depth, fuse=fuse, tile=t, tiled=tiled))
+            seen.add(key)
+            out.append(Layout(depth=depth, fuse=fuse, tile=t, tiled=tiled))
     return out
