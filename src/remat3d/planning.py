@@ -139,7 +139,7 @@ def plan(
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes, amp, budget, strategy,
-    offload, tile, loss function, deterministic-algorithms mode): see
+    offload, tile, loss function, deterministic-algorithms mode, host budget): see
     :func:`remat3d.runtime.apply.model_signature`.
 
     >>> import torch, remat3d
