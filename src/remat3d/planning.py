@@ -15,7 +15,6 @@ NOTE [ The budget is a promise ]
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +37,6 @@ from remat3d.units import format_bytes, parse_bytes
 
 __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 
-log = logging.getLogger(__name__)
 _CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _CACHE_SIZE = 64
 _ROUNDS = 8

@@ -22,7 +22,7 @@ from remat3d.units import format_bytes
 
 __all__ = ["extra_cost", "layout_regions", "prune_tiled", "tiled_plan"]
 
-log = logging.getLogger("remat3d.planning")
+log = logging.getLogger(__name__)
 
 
 def layout_regions(stages: StageModel, layout: Layout,

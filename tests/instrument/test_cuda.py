@@ -66,10 +66,9 @@ def test_host_resident_tiled_outputs_leave_the_device():
             if lay.depth == 1}
     peaks, verified, grads = {}, {}, {}
     for fuse in ("none", "host"):
-        planned = copy.deepcopy(model).cuda()
-        apply(planned, Plan(regions=layout_regions(stages, pick[fuse])))
-        meta = apply(copy.deepcopy(model).to("meta"),
-                     Plan(regions=layout_regions(stages, pick[fuse])))
+        plan = Plan(regions=layout_regions(stages, pick[fuse]))
+        planned = apply(copy.deepcopy(model).cuda(), plan)
+        meta = apply(copy.deepcopy(model).to("meta"), plan)
         verified[fuse] = run_step(prepare_step(meta, [shape], "meta", "bf16", None)).peak_bytes
         torch.manual_seed(0)
         x = torch.randn(shape, device="cuda")

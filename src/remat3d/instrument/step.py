@@ -63,7 +63,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _model_device(model: nn.Module) -> torch.device | None:
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of a module's first parameter or buffer (``None``: it has neither)."""
     for t in itertools.chain(model.parameters(), model.buffers()):
         return t.device
     return None
@@ -120,7 +121,7 @@ def prepare_step(
     except (RuntimeError, AssertionError) as exc:
         raise Remat3dError(f"Device {device!r} is not usable here: {exc}") from None
     dtype = amp_dtype(amp)
-    model_dev = _model_device(model)
+    model_dev = model_device(model)
     if dev == "meta":
         step_model = model if model_dev is not None and model_dev.type == "meta" \
             else meta_copy(model)

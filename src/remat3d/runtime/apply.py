@@ -335,6 +335,7 @@ class _PlannedForward:
             return fn(*args, **kwargs)
 
     def _tile(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        from remat3d.instrument.step import model_device
         from remat3d.nn.tiling import tile  # here: nn imports runtime modules
         from remat3d.nn.tiling.fused import defer, fold
 
@@ -348,8 +349,7 @@ class _PlannedForward:
         edge = size[0] if len(size) == 1 else tuple(size)
         fn, inputs = fold(fn, args)  # fused producers run inside this region's tiles
         # where the run computes: the module's own device (its inputs may be in host memory)
-        device = next((t.device for t in [*self.module.parameters(), *self.module.buffers()]),
-                      None)
+        device = model_device(self.module)
         if region.fuse or region.host:
             return defer(fn, inputs, edge, region.label, host=region.host, device=device)
         return tile(fn, *inputs, tile=edge, device=device)

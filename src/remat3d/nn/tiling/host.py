@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from remat3d.instrument.step import model_device
 from remat3d.runtime.state import placement
 
 __all__ = ["add_into_host", "compute_device", "host_empty", "host_zeros_like", "is_host",
@@ -57,9 +58,8 @@ def compute_device(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> to
     for x in inputs:
         if not is_host(x):
             return x.device
-    if isinstance(fn, torch.nn.Module):
-        for p in fn.parameters():
-            return p.device
+    if isinstance(fn, torch.nn.Module) and (device := model_device(fn)) is not None:
+        return device
     return inputs[0].device
 
 
