@@ -196,3 +196,25 @@ def test_nothing_accumulates_over_training_steps() -> None:
         net(x).sum().backward()
         sizes.append(len(weakref.finalize._registry))  # type: ignore[attr-defined]
     assert sizes[0] == sizes[1] == sizes[2]
+
+
+def test_running_statistics_written_after_being_saved_are_stored_not_rebuilt() -> None:
+    """``InstanceNorm3d(track_running_stats=True)`` hands ``native_batch_norm`` a
+    ``repeat`` of its buffers, which the kernel updates in place without a version bump
+    after autograd saved it (NOTE rule 5). That tensor is stored as it is: the step is
+    bitwise the unplanned one, buffers included, and it plans on meta (it raised
+    StaleRebuildError in backward, on CPU and in every verification)."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv3d(1, 4, 3, padding=1),
+                             nn.InstanceNorm3d(4, track_running_stats=True, momentum=0.3),
+                             nn.LeakyReLU(0.01, inplace=True), nn.Conv3d(4, 2, 3, padding=1))
+
+    x = torch.randn(2, 1, 8, 8, 8)
+    reference, planned = build(), remat3d.apply(build(), Plan())
+    for a, b in zip(_grads(planned, x), _grads(reference, x)):
+        assert torch.equal(a, b)
+    for a, b in zip(planned.buffers(), reference.buffers()):
+        assert torch.equal(a, b)
+    plan = remat3d.plan(build(), x.shape, budget="1x")
+    assert plan.verified_peak_bytes is not None

@@ -35,6 +35,14 @@ NOTE [ Rebuilt saved tensors ]
      :class:`StaleRebuildError` naming the op, instead of computing a wrong gradient.
      (Plans are verified by running them on the meta device, so such a model fails when
      it is planned.)
+  5. An op may write into a tensor without bumping its version counter:
+     ``native_batch_norm`` updates the running statistics it is given in place, and
+     ``InstanceNorm3d(track_running_stats=True)`` passes it a ``repeat`` of its buffers,
+     which autograd then saves. A recipe for such a tensor would rebuild the value from
+     before the write. So every tensor an op that is not recorded writes into (a mutable
+     argument in its schema, BatchNorm's running statistics) loses its recipes; autograd
+     saves an op's inputs before the op runs, so a recipe already saved in its place is
+     replaced by the tensor itself (``Rebuilt.pin``).
   Cost: the cheap ops run again in backward (memory traffic, no FLOPs: the plan's
   ``recompute_flops`` does not change). ``Plan(rebuild_saved=False)`` turns this off.
 """
@@ -205,7 +213,7 @@ def _leaf_value(leaf: _Leaf, t: torch.Tensor | None, func: Any) -> torch.Tensor:
 class Rebuilt:
     """What is saved instead of a tensor: the recipe that rebuilds it (NOTE rule 2)."""
 
-    __slots__ = ("held", "index", "recipe")
+    __slots__ = ("__weakref__", "held", "index", "pinned", "recipe")
 
     def __init__(self, recipe: Recipe, index: int, leaves: list[_Leaf]) -> None:
         self.recipe = recipe
@@ -213,12 +221,20 @@ class Rebuilt:
         # hold every leaf from now on (rule 2); the tensors themselves, whose version
         # counters rule 4 checks (only read under no_grad)
         self.held = {id(leaf): t for leaf in leaves if (t := leaf.get()) is not None}
+        self.pinned: torch.Tensor | None = None  # rule 5: the tensor itself, kept
 
     @property
     def leaves(self) -> list[torch.Tensor]:
         return list(self.held.values())
 
+    def pin(self, t: torch.Tensor) -> None:
+        """Keep ``t`` itself and drop the recipe: it was written after being saved (rule 5)."""
+        self.pinned = t
+        self.held = {}
+
     def unpack(self) -> torch.Tensor:
+        if self.pinned is not None:
+            return self.pinned
         last = self.recipe.last.get(self.index)
         if last is not None:
             value = last[0]()
@@ -228,6 +244,19 @@ class Rebuilt:
             value = tree_flatten(self.recipe.run(self.held))[0][self.index]
         self.recipe.last[self.index] = (weakref.ref(value), value._version)
         return value
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into: its schema's mutable arguments, and the running
+    statistics BatchNorm kernels update although their schema does not say so."""
+    found: list[Any] = []
+    for i, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is not None and info.is_write:
+            found.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    if "batch_norm" in func.__name__:
+        found += list(args[3:5])
+    return [t for t in tree_flatten(found)[0] if isinstance(t, torch.Tensor)]
 
 
 def _cheap(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
@@ -260,6 +289,9 @@ class RebuildRecorder(TorchDispatchMode):
         self._table: dict[int, tuple[Any, dict[_Key, tuple[Recipe, int]]]] = {}
         self._finalizers: list[weakref.finalize] = []
         self._sequence = 0
+        # storage id -> (the storage, recipes saved in place of a tensor of it) (rule 5)
+        self._packed: dict[int, tuple[weakref.ref[Any],
+                                      list[tuple[weakref.ref[Rebuilt], _Key]]]] = {}
 
     def __exit__(self, *exc: object) -> None:
         # forward is over: saved recipes hold what they need; forget the rest (storages
@@ -269,13 +301,31 @@ class RebuildRecorder(TorchDispatchMode):
             finalizer.detach()
         self._finalizers.clear()
         self._table.clear()
+        self._packed.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if torch.is_grad_enabled() and _cheap(func, args, kwargs, out):
             self._record(func, args, kwargs, out)
+        else:
+            self._forget_written(func, args, kwargs)
         return out
+
+    def _forget_written(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """NOTE rule 5: what an op that is not recorded writes into has no recipe, and a
+        recipe saved for it already is replaced by the tensor itself."""
+        for t in _written(func, args, kwargs):
+            storage = t.untyped_storage()
+            self._table.pop(id(storage), None)
+            owner, packed = self._packed.pop(id(storage), (None, []))
+            if owner is None or owner() is not storage:
+                continue  # (an id reused by another storage)
+            for ref, key in packed:
+                rebuilt = ref()
+                if rebuilt is not None:
+                    rebuilt.pin(t if _key(t, key[0]) == key else
+                                t.as_strided(key[1], key[2], key[3]))
 
     def _lookup(self, t: torch.Tensor, version: int) -> tuple[Recipe, int] | None:
         storage = t.untyped_storage()
@@ -345,4 +395,13 @@ class RebuildRecorder(TorchDispatchMode):
                 cost += leaf.nbytes
         if 2 * cost > _nbytes(t) or recipe.replay_peak() > 3 * _nbytes(t):
             return None
-        return Rebuilt(recipe, index, leaves)
+        rebuilt = Rebuilt(recipe, index, leaves)
+        # autograd saves an op's inputs before the op runs: one that then writes into
+        # this tensor unseen by its version counter (rule 5) must find the recipe
+        storage = t.untyped_storage()
+        owner, packed = self._packed.get(id(storage), (None, []))
+        if owner is None or owner() is not storage:
+            packed = []
+            self._packed[id(storage)] = (weakref.ref(storage), packed)
+        packed.append((weakref.ref(rebuilt), _key(t, t._version)))
+        return rebuilt

@@ -18,6 +18,14 @@ NOTE [ Exact tiles ]
   4. Normalisations with statistics use statistics of the whole tensor, gathered over
      tiles in extra passes (``_Stats``), never the tile's own. Their backward uses the
      whole tensor's sums of the gradient (``_GlobalNorm``), gathered the same way.
+  5. The backward sums of rule 4 are taken against the normalised tensor ``xhat`` that
+     ``_GlobalNorm`` returns (the "capture"), so the run's later ops must never write into
+     it. Without an affine weight or bias and without a cast, the normalisation's result
+     would be a view of ``xhat``, and an in-place activation after it (MONAI's default
+     ``InstanceNorm3d(affine=False)`` followed by ``LeakyReLU(inplace=True)``) would turn
+     ``xhat`` into the activation's output: the sums would be taken against the wrong
+     tensor and every gradient before the norm would be wrong. In a capture pass such a
+     result is a copy.
   So every value a tile computes equals the untiled value at that position up to
   floating-point rounding order (statistics and parameter gradients are sums over tiles).
 """
@@ -315,11 +323,16 @@ class TileMode(TorchFunctionMode):
         local_owned = tuple((o0 - w0, o1 - w0) for (o0, o1), (w0, _) in zip(owned, want)) \
             if region_size(owned) else None
         xhat = _GlobalNorm.apply(x6, stats, local_owned)
-        if self.capture == j:
-            self.captured = xhat
         y = xhat.flatten(1, 2)
         if b["weight"] is not None:
             y = y * b["weight"].to(y.dtype).view(1, -1, 1, 1, 1)
         if b["bias"] is not None:
             y = y + b["bias"].to(y.dtype).view(1, -1, 1, 1, 1)
-        return y.to(op.out_dtype)
+        y = y.to(op.out_dtype)
+        if self.capture == j:
+            self.captured = xhat
+            if b["weight"] is None and b["bias"] is None and y.dtype == xhat.dtype:
+                # NOTE rule 5: y is a view of xhat; an in-place op of the run (nnU-Net's
+                # LeakyReLU(inplace=True)) would overwrite the captured tensor
+                y = y.clone()
+        return y
