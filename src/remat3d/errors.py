@@ -10,11 +10,18 @@ from __future__ import annotations
 __all__ = [
     "BudgetError",
     "DataError",
+    "GraphError",
+    "InPlaceInputError",
     "InfeasibleBudgetError",
     "InputShapeError",
     "ModelSpecError",
+    "PlanError",
+    "RecomputeDivergedError",
     "Remat3dError",
+    "ReversibleError",
     "SettingsError",
+    "StaleRebuildError",
+    "TilingError",
     "WeightsError",
 ]
 
@@ -55,3 +62,31 @@ class SettingsError(Remat3dError, ValueError):
 
 class WeightsError(Remat3dError, ValueError):
     """A pretrained weights file cannot be read or does not fit the model."""
+
+
+class PlanError(Remat3dError, ValueError):
+    """A plan is malformed, from an unknown schema, or does not fit the model."""
+
+
+class GraphError(Remat3dError, ValueError):
+    """A cost graph file is not one remat3d wrote (another schema)."""
+
+
+class TilingError(Remat3dError, ValueError):
+    """A run cannot be executed in tiles exactly (an op is not local, dropout, ...)."""
+
+
+class ReversibleError(Remat3dError, ValueError):
+    """A reversible block cannot be inverted as built or called (shapes, channels, in-place)."""
+
+
+class InPlaceInputError(Remat3dError, RuntimeError):
+    """A recompute region wrote in place into one of its own inputs."""
+
+
+class RecomputeDivergedError(Remat3dError, RuntimeError):
+    """A region's recomputation did not run the same ops as its forward."""
+
+
+class StaleRebuildError(Remat3dError, RuntimeError):
+    """A tensor a saved recipe rebuilds from was modified in place before backward."""

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from remat3d.errors import GraphError
+
 __all__ = ["GRAPH_SCHEMA", "CostGraph", "Edge", "Node", "atomic_write_text"]
 
 GRAPH_SCHEMA = "remat3d.costgraph/1"
@@ -152,7 +154,8 @@ class CostGraph:
     def from_dict(cls, data: dict[str, Any]) -> CostGraph:
         schema = data.get("schema", GRAPH_SCHEMA)
         if not str(schema).startswith("remat3d."):
-            raise ValueError(f"Not a remat3d cost graph (schema {schema!r}).")
+            raise GraphError(f"Not a remat3d cost graph (schema {schema!r}); load a file that "
+                             "remat3d profile --json wrote.")
         names = {f.name for f in fields(cls)} - {"nodes", "edges"}
         node_fields = {f.name for f in fields(Node)}
         edge_fields = {f.name for f in fields(Edge)}

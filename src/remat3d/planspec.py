@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from remat3d.errors import Remat3dError
+from remat3d.errors import PlanError
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes
 
@@ -27,10 +27,6 @@ __all__ = ["DECISIONS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
 DECISIONS = ("recompute", "offload", "keep", "tile")
-
-
-class PlanError(Remat3dError, ValueError):
-    """A plan is malformed, from an unknown schema, or does not fit the model."""
 
 
 @dataclass

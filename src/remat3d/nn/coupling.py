@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.errors import Remat3dError
+from remat3d.errors import ReversibleError
 from remat3d.nn.replay import RngTape
 from remat3d.runtime.state import module_name
 
@@ -42,10 +42,6 @@ __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "ReversibleBlock",
 
 Grads = list[torch.Tensor | None]
 Pair = tuple[torch.Tensor, torch.Tensor]
-
-
-class ReversibleError(Remat3dError, ValueError):
-    """A reversible block cannot be inverted as built or called (shapes, channels, in-place)."""
 
 
 def _fmt(shape: Sequence[int]) -> str:

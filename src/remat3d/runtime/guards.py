@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from remat3d.errors import Remat3dError
+from remat3d.errors import RecomputeDivergedError
 from remat3d.runtime.state import module_name
 
 __all__ = [
@@ -39,10 +39,6 @@ __all__ = [
     "RecomputeDivergedError",
     "RecomputeOverwritten",
 ]
-
-
-class RecomputeDivergedError(Remat3dError, RuntimeError):
-    """A region's recomputation did not run the same ops as its forward."""
 
 
 class ModuleStack:

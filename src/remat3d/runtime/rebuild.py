@@ -58,16 +58,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
+from remat3d.errors import StaleRebuildError
+
 __all__ = ["RebuildRecorder", "Rebuilt", "Recipe", "StaleRebuildError"]
 
 _UNINITIALISED = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                   "empty_permuted")
 _MAX_DEPTH = 16  # replays stay short: a longer chain starts from a kept tensor
 _Key = tuple[int, tuple[int, ...], tuple[int, ...], int, torch.dtype]
-
-
-class StaleRebuildError(RuntimeError):
-    """A tensor a saved recipe rebuilds from was modified in place before backward."""
 
 
 def _plain(t: Any) -> bool:

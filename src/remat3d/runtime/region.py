@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from remat3d.errors import Remat3dError
+from remat3d.errors import InPlaceInputError, Remat3dError
 from remat3d.instrument.amp import MetaAutocast, active_meta_autocast
 from remat3d.instrument.ledger import unique_storage_bytes
 from remat3d.runtime.guards import (
@@ -33,10 +33,6 @@ from remat3d.runtime.policies import resolve_policy, selective_contexts
 from remat3d.runtime.state import enter_recompute, exit_recompute, is_recomputing
 
 __all__ = ["InPlaceInputError", "RegionStats", "checkpoint"]
-
-
-class InPlaceInputError(Remat3dError, RuntimeError):
-    """A recompute region wrote in place into one of its own inputs."""
 
 
 @dataclass

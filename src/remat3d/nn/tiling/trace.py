@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from remat3d.errors import Remat3dError
+from remat3d.errors import TilingError
 from remat3d.nn.tiling.halo import (
     CONV,
     CONV_TRANSPOSE,
@@ -35,10 +35,6 @@ __all__ = ["NormSpec", "TilingError", "Trace", "TracedOp", "bind", "func_name", 
 
 _NODE = "_remat3d_tile_node"
 _INNER = "_remat3d_tile_inner"
-
-
-class TilingError(Remat3dError, ValueError):
-    """A run cannot be executed in tiles exactly (an op is not local, dropout, ...)."""
 
 
 # argument names of the calls the executor rewrites, in positional order
