@@ -110,3 +110,20 @@ def test_plan_command_infeasible_budget_is_one_line():
     assert result.exit_code == 2
     assert "smallest feasible budget" in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+def test_error_messages_are_printed_as_text_not_markup(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Brackets in a message reach the user: rich would drop ``[demo]`` as a markup tag
+    (a wrong install command) and raise on ``[/x]``."""
+    import typer
+
+    from remat3d.cli.common import user_errors
+    from remat3d.errors import Remat3dError
+
+    def command() -> None:
+        raise Remat3dError("Install it with: pip install 'remat3d[demo]' (see [/docs])")
+
+    with pytest.raises(typer.Exit):
+        user_errors(command)()
+    err = capsys.readouterr().err
+    assert "pip install 'remat3d[demo]' (see [/docs])" in " ".join(err.split())

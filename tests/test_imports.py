@@ -18,6 +18,7 @@ def test_module_imports_without_torch(module: str) -> None:
     code = (f"import sys, {module}\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False,
                             timeout=120)
     assert result.returncode == 0, result.stderr
 

@@ -33,7 +33,7 @@ from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply, model_fingerprint, model_signature
 from remat3d.runtime.region import InPlaceInputError
-from remat3d.units import format_bytes, parse_bytes
+from remat3d.units import format_bytes, format_shape, parse_bytes
 
 __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 
@@ -241,7 +241,7 @@ def plan(
         if chosen is None:
             raise InfeasibleBudgetError(
                 f"Budget {format_bytes(budget_bytes)} is infeasible for "
-                f"{type(model).__name__} {' '.join('x'.join(map(str, s)) for s in shapes)} "
+                f"{type(model).__name__} {' '.join(format_shape(s) for s in shapes)} "
                 f"(amp={amp or 'none'}{', offload' if offload else ''}"
                 f"{'' if host_bytes is None else ', host memory ' + format_bytes(host_bytes)}"
                 "): the smallest "

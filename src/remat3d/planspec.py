@@ -21,7 +21,7 @@ from typing import Any
 
 from remat3d.errors import PlanError
 from remat3d.graph import atomic_write_text
-from remat3d.units import format_bytes
+from remat3d.units import format_bytes, format_shape
 
 __all__ = ["DECISIONS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
 
@@ -211,7 +211,7 @@ class Plan:
         parts = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
         lines = [f"remat3d plan: {len(self.regions)} regions ({parts or 'none'})"]
         if self.model:
-            shapes = " ".join("x".join(map(str, s)) for s in self.input_shapes)
+            shapes = " ".join(format_shape(s) for s in self.input_shapes)
             lines.append(f"  made for {self.model} {shapes} amp={self.amp or 'none'} "
                          f"strategy={self.strategy}")
         if self.budget_bytes is not None:
@@ -236,7 +236,7 @@ class Plan:
             if region.storage_dtype:
                 extra += f" storage={region.storage_dtype}"
             if region.tile:
-                extra += " tile=" + "x".join(map(str, region.tile))
+                extra += " tile=" + format_shape(region.tile)
             if region.fuse:
                 extra += " fused"
             if region.host:

@@ -16,7 +16,7 @@ from remat3d.graph import CostGraph, Edge, Node, atomic_write_text
 from remat3d.instrument.ledger import unique_storage_bytes
 from remat3d.instrument.step import prepare_step, run_step
 from remat3d.instrument.tracker import MemoryTracker
-from remat3d.units import format_bytes, format_shape
+from remat3d.units import format_bytes, format_shape, parse_amp
 
 __all__ = ["Profile", "graph_from_tracker", "profile"]
 
@@ -242,7 +242,7 @@ def graph_from_tracker(
         edges=edges,
         model=type(model).__name__,
         input_shapes=[list(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
-        amp=None if amp in (None, "none") else str(amp),
+        amp=parse_amp(amp),
         device=tracker.device,
         peak_bytes=tracker.peak_bytes,
         saved_bytes=tracker.saved_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from remat3d.graph import CostGraph
+from remat3d.units import format_shape
 
 __all__ = ["level_table", "module_table"]
 
@@ -23,7 +24,7 @@ def module_table(graph: CostGraph, top: int = 12) -> list[dict[str, Any]]:
         {
             "label": n.label if n.is_leaf else f"{n.label} (own ops)",
             "type": n.module_type,
-            "output": "x".join(map(str, n.output_shape or []))
+            "output": format_shape(n.output_shape or [])
             + f" {_SHORT_DTYPE.get(n.output_dtype or '', n.output_dtype or '')}",
             "saved_bytes": n.self_saved_bytes,
             "fwd_flops": n.self_fwd_flops,
@@ -54,7 +55,7 @@ def level_table(graph: CostGraph) -> list[dict[str, Any]]:
         row["saved_bytes"] += n.self_saved_bytes
     ordered = sorted(levels.items(), key=lambda kv: -_volume(kv[0]))
     return [
-        {"level": "x".join(map(str, spatial)) or "(scalar)", **row}
+        {"level": format_shape(spatial) or "(scalar)", **row}
         for spatial, row in ordered
         if row["saved_bytes"] or row["modules"]
     ]

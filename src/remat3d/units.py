@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
-from remat3d.errors import BudgetError, InputShapeError
+from remat3d.errors import BudgetError, InputShapeError, Remat3dError
 
-__all__ = ["format_bytes", "format_shape", "parse_bytes", "parse_shape"]
+__all__ = ["format_bytes", "format_shape", "parse_amp", "parse_bytes", "parse_shape"]
 
 _UNITS = {
     "": 1,
@@ -81,5 +82,25 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def format_shape(shape: tuple[int, ...] | list[int]) -> str:
+def format_shape(shape: Sequence[int]) -> str:
+    """``'1x1x64x64x64'``: a shape (or a tile) as the CLI and messages write it."""
     return "x".join(str(int(s)) for s in shape)
+
+
+_AMP = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+        "none": None, "fp32": None, "no": None, "off": None, "": None}
+
+
+def parse_amp(amp: str | None) -> str | None:
+    """Autocast setting: ``"bf16"``, ``"fp16"``, or ``None`` (no autocast: ``None``,
+    ``"none"``, ``"fp32"``, ...).
+
+    >>> parse_amp("BF16"), parse_amp("none"), parse_amp(None)
+    ('bf16', None, None)
+    """
+    if amp is None:
+        return None
+    key = str(amp).strip().lower()
+    if key not in _AMP:
+        raise Remat3dError(f"Unknown amp setting {amp!r}. Use one of: none, bf16, fp16.")
+    return _AMP[key]

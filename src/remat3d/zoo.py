@@ -553,26 +553,30 @@ def _build_on_meta(constructor: Callable[..., Any], kwargs: dict[str, Any]) -> A
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    register_parameter = nn.Module.register_parameter
-    register_buffer = nn.Module.register_buffer
+    """Every parameter and buffer registered while this is active moves to meta, through
+    PyTorch's module registration hooks (removed on the way out, whatever happened)."""
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
 
-    def to_meta_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register_parameter(self, name, param)
+    def to_meta_parameter(module: nn.Module, name: str, param: nn.Parameter | None
+                          ) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    def to_meta_buffer(
-        self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
-    ) -> None:
-        register_buffer(self, name, None if tensor is None else tensor.to("meta"), persistent)
+    def to_meta_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        return None if tensor is None or tensor.is_meta else tensor.to("meta")
 
-    nn.Module.register_parameter = to_meta_parameter  # type: ignore[method-assign]
-    nn.Module.register_buffer = to_meta_buffer  # type: ignore[method-assign]
+    handles = [register_module_parameter_registration_hook(to_meta_parameter),
+               register_module_buffer_registration_hook(to_meta_buffer)]
     try:
         yield
     finally:
-        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+        for handle in handles:
+            handle.remove()
 
 
 # --------------------------------------------------------------------------- shapes

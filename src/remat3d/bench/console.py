@@ -13,7 +13,7 @@ from rich.table import Table
 from remat3d.bench.plots import headline_methods
 from remat3d.bench.runner import run_suite
 from remat3d.bench.suites import Case, suite_from_options
-from remat3d.units import format_bytes
+from remat3d.units import format_bytes, format_shape
 
 __all__ = ["run_with_progress"]
 
@@ -35,7 +35,7 @@ def run_with_progress(console: Console, suite_name: str, models: str | None,
     cases = defaultdict(list)
     for r in result.records:
         if r.tier == "meta":
-            cases[(r.model, "x".join(map(str, r.input_shape[2:])), r.amp)].append(r)
+            cases[(r.model, format_shape(r.input_shape[2:]), r.amp)].append(r)
     for (model, shape, amp), recs in cases.items():
         table = Table(title=f"{model} {shape} amp={amp}", title_justify="left")
         table.add_column("method")

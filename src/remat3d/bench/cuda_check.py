@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from remat3d.graph import atomic_write_text
+from remat3d.units import format_shape
 
 __all__ = ["exactness_row", "main", "planned_row", "tiled_row", "unplanned_row"]
 
@@ -298,7 +299,7 @@ _TABLES: list[tuple[tuple[str, ...], list[tuple[str, str]], list[str],
 
 
 def _shape(r: dict[str, Any]) -> str:
-    return "x".join(map(str, r.get("shape") or []))
+    return format_shape(r.get("shape") or [])
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from remat3d.bench.records import Record
+from remat3d.units import format_shape
 
 __all__ = ["headline_methods", "write_plots"]
 
@@ -44,7 +45,7 @@ def _ok(records: list[Record]) -> list[Record]:
 
 
 def _case_key(r: Record) -> tuple[str, str, str, str]:
-    return r.model, "x".join(map(str, r.input_shape[2:])), r.amp, r.tier
+    return r.model, format_shape(r.input_shape[2:]), r.amp, r.tier
 
 
 def headline_methods(records: list[Record]) -> list[tuple[str, Record]]:
@@ -130,7 +131,7 @@ def _peak_by_size(records: list[Record], path: Path) -> Path | None:
     groups: dict[tuple[str, str], dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         if r.tier == "meta":
-            groups[(r.model, r.amp)]["x".join(map(str, r.input_shape[2:]))].append(r)
+            groups[(r.model, r.amp)][format_shape(r.input_shape[2:])].append(r)
     groups = {k: v for k, v in groups.items() if len(v) >= 2}
     if not groups:
         return None

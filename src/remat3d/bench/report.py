@@ -8,7 +8,7 @@ from pathlib import Path
 from remat3d.bench.plots import headline_methods
 from remat3d.bench.records import Record, machine_info, now, versions_info
 from remat3d.graph import atomic_write_text
-from remat3d.units import format_bytes
+from remat3d.units import format_bytes, format_shape
 
 __all__ = ["equal_peak_rows", "render_report", "write_report"]
 
@@ -31,7 +31,7 @@ def _cases(records: list[Record], tier: str) -> dict[tuple, list[Record]]:
 
 def _title(key: tuple) -> str:
     model, shape, amp = key
-    return f"{model} {'x'.join(map(str, shape[2:]))} (batch {shape[0]}, amp={amp})"
+    return f"{model} {format_shape(shape[2:])} (batch {shape[0]}, amp={amp})"
 
 
 def equal_peak_rows(recs: list[Record]) -> list[dict]:

@@ -19,6 +19,7 @@ from remat3d.data.datalist import Case
 from remat3d.data.padding import Geometry, pad_to_divisor, padded_shape
 from remat3d.data.volumes import Preprocessing, Volume, load_case
 from remat3d.errors import DataError
+from remat3d.units import format_shape
 
 __all__ = ["Sample", "VolumeDataset"]
 
@@ -114,7 +115,7 @@ class VolumeDataset:
         shape = tuple(int(s) for s in volume.image.shape[1:])
         if min(shape) < g.min_size / 2:
             raise DataError(
-                f"Case {case.name!r} ({str(case.images[0])!r}) is {'x'.join(map(str, shape))} "
+                f"Case {case.name!r} ({str(case.images[0])!r}) is {format_shape(shape)} "
                 f"voxels after preprocessing; the model needs edges of at least {g.min_size} "
                 f"({g.reason or 'its downsampling depth'}), so padding would more than double "
                 "it. Use a finer spacing, or a model with fewer levels."

@@ -36,6 +36,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from remat3d.units import parse_amp
+
 __all__ = [
     "FP32_OPS",
     "FP32_SET_OPT_DTYPE_OPS",
@@ -85,23 +87,14 @@ PYTHON_WRAPPERS = {
     "binary_cross_entropy_with_logits": "fp32",
 }
 
-_AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-               "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # names as parse_amp gives
 _WIDTH = {torch.float16: 0, torch.bfloat16: 0, torch.float32: 1}
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
     """Map ``None | "none" | "bf16" | "fp16"`` to a dtype; raise a clear error otherwise."""
-    from remat3d.errors import Remat3dError
-
-    if amp is None or str(amp).lower() in ("none", "fp32", "no", "off", ""):
-        return None
-    try:
-        return _AMP_DTYPES[str(amp).lower()]
-    except KeyError:
-        raise Remat3dError(
-            f"Unknown amp setting {amp!r}. Use one of: none, bf16, fp16."
-        ) from None
+    name = parse_amp(amp)
+    return None if name is None else _AMP_DTYPES[name]
 
 
 def _op_name(func: Any) -> str:

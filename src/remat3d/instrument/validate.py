@@ -21,6 +21,7 @@ from remat3d import zoo
 from remat3d.graph import atomic_write_text
 from remat3d.instrument.reference import allocator_measure
 from remat3d.instrument.step import _forward_loss, _preserved_state, prepare_step, run_step
+from remat3d.units import format_shape
 
 __all__ = ["ValidationRow", "main", "validate_preset"]
 
@@ -79,7 +80,7 @@ def markdown(rows: list[ValidationRow]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|\n"
     )
     body = "".join(
-        f"| {r.preset} | {'x'.join(map(str, r.shape))} | {r.tracker_peak:,} | "
+        f"| {r.preset} | {format_shape(r.shape)} | {r.tracker_peak:,} | "
         f"{r.allocator_peak:,} | {100 * r.peak_error:.3f}% | "
         f"{r.allocator_peak_with_scratch:,} | {r.tracker_flops:,} | {r.flop_counter_flops:,} |\n"
         for r in rows

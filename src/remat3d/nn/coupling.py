@@ -36,16 +36,13 @@ from torch import nn
 from remat3d.errors import ReversibleError
 from remat3d.nn.replay import RngTape
 from remat3d.runtime.state import module_name
+from remat3d.units import format_shape
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "ReversibleBlock",
            "ReversibleError"]
 
 Grads = list[torch.Tensor | None]
 Pair = tuple[torch.Tensor, torch.Tensor]
-
-
-def _fmt(shape: Sequence[int]) -> str:
-    return "x".join(map(str, shape))
 
 
 def _name(module: nn.Module) -> str:
@@ -137,7 +134,7 @@ class Coupling(ReversibleBlock):
             got = f"{x.shape[1]} channels" if x.dim() >= 2 else f"{x.dim()}-D input"
             raise ReversibleError(
                 f"{_name(self)} splits its input into two equal channel halves (dim 1), so it "
-                f"needs an even channel count; got {got} in a {_fmt(x.shape)} tensor. Give "
+                f"needs an even channel count; got {got} in a {format_shape(x.shape)} tensor. Give "
                 "it an even number of channels (e.g. a 1x1 convolution before it)."
             )
         x1, x2 = x.chunk(2, dim=1)
@@ -158,10 +155,10 @@ class Coupling(ReversibleBlock):
             )
         expected = self.expected_shape(half.shape)
         if not isinstance(h, torch.Tensor) or tuple(h.shape) != expected:
-            got = _fmt(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
+            got = format_shape(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
             raise ReversibleError(
-                f"{role} of {_name(self)} ({_name(module)}) must return a {_fmt(expected)} "
-                f"tensor for its {_fmt(half.shape)} input half, so that the coupling can be "
+                f"{role} of {_name(self)} ({_name(module)}) must return a {format_shape(expected)} "
+                f"tensor for its {format_shape(half.shape)} input half, so that the coupling can be "
                 f"inverted; it returned {got}. Keep {role}'s channels and spatial size (no "
                 "stride, 'same' padding); change resolution or width outside the coupling."
             )

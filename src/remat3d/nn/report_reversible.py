@@ -32,7 +32,7 @@ from remat3d.graph import atomic_write_text
 from remat3d.nn.coupling import AdditiveCoupling
 from remat3d.nn.revunet import RevUNet
 from remat3d.nn.sequence import ReversibleSequence
-from remat3d.units import format_bytes
+from remat3d.units import format_bytes, format_shape
 
 __all__ = ["main"]
 
@@ -182,7 +182,7 @@ def report() -> str:
         "",
         (f"Depth-{g.depth} `ReversibleSequence` of additive couplings (F, G: conv3d -> "
         f"GroupNorm -> LeakyReLU(inplace) on half the channels), input "
-        f"{'x'.join(map(str, g.shape))}, loss sum(y sin y)."),
+        f"{format_shape(g.shape)}, loss sum(y sin y)."),
         "",
         "| measure | value |",
         "|---|---:|",

@@ -12,10 +12,6 @@ the tens of stages a 3D network has.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,30 +46,10 @@ class Costs:
         return max(0.0, transfer - overlap) * self.device_flops + 1e-6 * saved_bytes
 
 
-@contextlib.contextmanager
-def _quiet_native_output() -> Iterator[None]:
-    """HiGHS's MIP solver can print debug lines straight to file descriptor 1; the CLI's
-    output (and ``--json`` on stdout) must stay clean, so fd 1 is pointed at /dev/null
-    while it runs."""
-    try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError):  # no real stdout (some embedded interpreters)
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
-
-
 def _milp(*args: Any, **kwargs: Any) -> Any:
-    with _quiet_native_output():
-        return milp(*args, **kwargs)
+    # quiet: HiGHS's own logging off (scipy's default); the few lines HiGHS prints to fd 1
+    # regardless are the CLI's concern (cli.common.quiet_native_stdout), not the library's
+    return milp(*args, **kwargs, options={"disp": False})
 
 
 def decision_cost(stage: Stage, decision: str, costs: Costs) -> float:

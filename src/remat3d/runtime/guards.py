@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat3d.errors import RecomputeDivergedError
 from remat3d.runtime.state import module_name
+from remat3d.units import format_shape
 
 __all__ = [
     "BufferGuard",
@@ -167,7 +168,7 @@ class OpChecker(TorchDispatchMode):
 
 
 def _fmt(sig: tuple) -> str:
-    return ", ".join(f"{'x'.join(map(str, s)) or 'scalar'} {str(d).replace('torch.', '')}"
+    return ", ".join(f"{format_shape(s) or 'scalar'} {str(d).replace('torch.', '')}"
                      for s, d in sig) or "()"
 
 

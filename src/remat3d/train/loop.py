@@ -32,6 +32,7 @@ from remat3d.data.padding import Geometry, crop_back, probe_geometry
 from remat3d.data.volumes import Preprocessing
 from remat3d.errors import BudgetError, DataError, Remat3dError, SettingsError
 from remat3d.graph import atomic_write_text
+from remat3d.instrument.amp import amp_dtype
 from remat3d.planspec import Plan
 from remat3d.train.distributed import barrier, broadcast_object, join, wrap_model
 from remat3d.train.settings import TrainSettings
@@ -43,7 +44,7 @@ from remat3d.train.state import (
     set_rng_state,
 )
 from remat3d.train.weights import LoadReport, apply_freeze, load_pretrained
-from remat3d.units import format_bytes
+from remat3d.units import format_bytes, format_shape, parse_amp
 
 __all__ = ["Interrupted", "TrainResult", "Trainer", "train"]
 
@@ -89,8 +90,10 @@ def _deterministic(settings: TrainSettings) -> Iterator[None]:
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.benchmark)
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if settings.deterministic and workspace is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's deterministic mode
     if settings.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # CUDA lacks deterministic kernels for a few backward ops (e.g. trilinear upsampling):
         # there it warns instead of failing; on CPU every op used here is deterministic.
         torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
@@ -100,6 +103,8 @@ def _deterministic(settings: TrainSettings) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark = before[2]
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def seed_everything(seed: int) -> None:
@@ -116,10 +121,6 @@ def resolve_device(name: str) -> torch.device:
         raise SettingsError(f"Setting device={name!r}, but there is no CUDA device here. "
                             "Use device: cpu (or auto).")
     return device
-
-
-def amp_dtype(name: str) -> torch.dtype | None:
-    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 class Trainer:
@@ -155,7 +156,7 @@ class Trainer:
             raise DataError(
                 f"batch_size={settings.batch_size} needs volumes of one shape, but the padded "
                 f"volumes have {len(set(self.step_shapes))} shapes "
-                f"({', '.join('x'.join(map(str, s)) for s in sorted(set(self.step_shapes))[:4])}"
+                f"({', '.join(format_shape(s) for s in sorted(set(self.step_shapes))[:4])}"
                 "). Use batch_size: 1 with accumulate: N for the same effective batch."
             )
         if self.world.enabled:
@@ -327,7 +328,7 @@ class Trainer:
         from remat3d.planning import resolve_budget
 
         s = self.settings
-        amp = None if s.amp == "none" else s.amp
+        amp = parse_amp(s.amp)
         for spatial in sorted(set(self.step_shapes)):
             shape = self.input_shape(spatial)
             if shape in self.plans:
@@ -344,7 +345,7 @@ class Trainer:
                 raise BudgetError(
                     f"memory_budget {s.memory_budget!r} ({format_bytes(budget)}) does not even "
                     f"hold the optimizer state ({format_bytes(extra)}) of a "
-                    f"{'x'.join(map(str, shape))} step; the unplanned step needs "
+                    f"{format_shape(shape)} step; the unplanned step needs "
                     f"{format_bytes(unplanned + extra)}. Raise the budget."
                 )
             try:
@@ -358,7 +359,7 @@ class Trainer:
                     f"for the rest: {exc}"
                 ) from None
             self.plans[shape] = plan
-            self.say(f"plan for {'x'.join(map(str, shape))} ({s.strategy}): budget "
+            self.say(f"plan for {format_shape(shape)} ({s.strategy}): budget "
                      f"{format_bytes(budget)} = {format_bytes(extra)} optimizer state"
                      f" + {format_bytes(budget - extra)} for the step; {len(plan.regions)} "
                      f"regions; verified peak {format_bytes((plan.verified_peak_bytes or 0) + extra)}"

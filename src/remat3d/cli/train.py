@@ -1,5 +1,4 @@
-"""``remat3d train`` and ``remat3d demo``: the commands that train (registered on the app
-of :mod:`remat3d.cli`; kept apart so each file holds one concern)."""
+"""``remat3d train``: fine-tune on whole volumes within a memory budget."""
 
 from __future__ import annotations
 
@@ -9,14 +8,12 @@ import time
 import typer
 from rich.table import Table
 
-from remat3d.cli import _user_errors, app, console, err_console
+from remat3d.cli.common import console, err_console
+from remat3d.units import format_shape
 
-__all__ = ["demo_command", "train_command"]
+__all__ = ["train_command"]
 
 
-@app.command("train", context_settings={"allow_extra_args": True,
-                                        "ignore_unknown_options": True})
-@_user_errors
 def train_command(
     ctx: typer.Context,
     config: str = typer.Argument(..., help="Settings file (YAML). See docs/training.md."),
@@ -55,7 +52,7 @@ def train_command(
     table.add_column("plan verified peak", justify="right")
     for shape, peak in sorted(result.peaks.items()):
         plan = result.plans.get(shape)
-        table.add_row("x".join(map(str, shape)), format_bytes(peak),
+        table.add_row(format_shape(shape), format_bytes(peak),
                       format_bytes(plan.verified_peak_bytes or 0) if plan else "no plan")
     console.print(table)
     if result.validation:
@@ -63,40 +60,3 @@ def train_command(
         console.print(f"validation Dice (epoch {last['epoch']}): [bold]{last['dice']:.4f}[/]")
     console.print(f"weights: {result.output_dir / 'model.pt'}; log: "
                   f"{result.output_dir / 'log.jsonl'}", highlight=False)
-
-
-@app.command("demo")
-@_user_errors
-def demo_command(
-    out: str = typer.Option("remat3d-demo", "--out", "-o", help="Folder for data, runs and "
-                            "the figure."),
-    budget: str = typer.Option("0.65x", "--budget", help="Memory budget of the fine-tuning "
-                               "step (a fraction of its unplanned peak, or a size)."),
-    epochs: int = typer.Option(24, "--epochs", help="Fine-tuning epochs (one volume each)."),
-) -> None:
-    """Pretrain on CT phantoms, fine-tune on a real MRI volume under a memory budget.
-
-    Offline, on CPU, a few minutes: shows the plan, the measured peak with and without it,
-    the bitwise gradient check, Dice before and after, and writes demo.png.
-    """
-    from remat3d.train.demo import run_demo
-    from remat3d.units import format_bytes
-
-    result = run_demo(out, budget=budget, finetune_epochs=epochs,
-                      say=lambda m: console.print(m, highlight=False))
-    console.print(result.plan_summary, highlight=False)
-    table = Table(title="one real CPU training step of the fine-tuning model (whole volume)",
-                  title_justify="left")
-    table.add_column("")
-    table.add_column("measured peak", justify="right")
-    table.add_row("no checkpointing", format_bytes(result.peak_unplanned))
-    table.add_row("remat3d plan", f"[bold]{format_bytes(result.peak_planned)}[/]")
-    console.print(table)
-    ok = "[bold green]" if result.gradients_equal else "[bold red]"
-    console.print(f"{ok}{result.gradient_check}[/]", highlight=False)
-    console.print(f"validation Dice: {result.dice_before:.4f} before fine-tuning -> "
-                  f"[bold]{result.dice_after:.4f}[/] after", highlight=False)
-    console.print(f"figure: {result.figure}; finished in {result.seconds:.0f} s",
-                  highlight=False)
-    if not result.gradients_equal:
-        raise typer.Exit(1)

@@ -1,0 +1,87 @@
+"""What every command shares: the consoles, one-line errors, building the model.
+
+The CLI owns the terminal: the library logs, the commands print (rich tables, progress).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from functools import wraps
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from remat3d.errors import Remat3dError
+
+__all__ = ["build", "console", "err_console", "quiet_native_stdout", "user_errors"]
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a Remat3dError into one red line and exit status 2.
+
+    The message is printed as text, not rich markup: ``pip install 'remat3d[demo]'`` keeps
+    its brackets, and a path holding ``[/...]`` cannot break the printing."""
+
+    @wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except Remat3dError as exc:
+            # one logical line: the terminal wraps it, so file paths stay whole for copying
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                              soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def quiet_native_stdout() -> Iterator[None]:
+    """File descriptor 1 pointed at /dev/null while the block runs.
+
+    HiGHS (the MILP solver behind ``scipy.optimize.milp``) prints some diagnostics
+    straight to fd 1 whatever its output options say (HiGHS issue 2734); a command whose
+    stdout is machine-read (``--json``) wraps its planning in this. Only the CLI does: a
+    library must not redirect its caller's file descriptors."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real stdout (some embedded interpreters)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def build(model: str, input: str | None, model_kwargs: str | None) -> tuple[Any, tuple]:
+    """The model (on meta) and the input shape a command was given."""
+    from remat3d import zoo
+    from remat3d.units import parse_shape
+
+    kwargs = zoo.parse_model_kwargs(model_kwargs)
+    preset = zoo.PRESETS.get(model)
+    if input is None:
+        channels = int(kwargs.get("in_channels", preset.in_channels if preset else 1))
+        shape: tuple[int, ...] = (1, channels, 128, 128, 128)
+    else:
+        shape = parse_shape(input)
+    if preset is not None:
+        zoo.check_input_shape(preset, shape, kwargs)
+    if len(shape) < 3:
+        raise Remat3dError(f"Input shape {input!r} needs batch, channels and spatial sizes.")
+    net = zoo.build_model(model, kwargs, spatial_size=tuple(shape[2:]), device="meta")
+    return net, shape

@@ -1,0 +1,132 @@
+"""``remat3d plan``: a plan under a budget, verified on meta; table, JSON, plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from remat3d.cli.common import build, console, quiet_native_stdout
+from remat3d.errors import Remat3dError
+from remat3d.units import format_shape, parse_amp
+
+__all__ = ["plan_command"]
+
+
+def plan_command(
+    model: str = typer.Argument(
+        ..., help="A zoo preset, package.module:Class, or a .py file defining build_model()."),
+    input: str = typer.Option(None, "--input", "-i",
+                              help="Input shape BxCxDxHxW. Default: 1xCx128x128x128."),
+    budget: str = typer.Option(..., "--budget", "-b",
+                               help="12GiB, 500MB, 0.25x (of the unplanned peak), or auto."),
+    strategy: str = typer.Option("optimal", "--strategy", "-s",
+                                 help="optimal (default), none, blocks, selective, uniform, "
+                                      "sqrt, balanced or recursive."),
+    offload: bool = typer.Option(False, "--offload", help=(
+        "Allow host memory: offloaded saved tensors, and tiled outputs kept on the host.")),
+    host_budget: str = typer.Option(
+        None, "--host-budget", help="With --offload: the most host memory the plan may use "
+        "(32GiB); default: no limit."),
+    tile: bool = typer.Option(True, "--tile/--no-tile",
+                              help="Let optimal tile full-resolution stages when no "
+                                   "recompute plan fits (exact; costs extra passes)."),
+    amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
+    model_kwargs: str = typer.Option(None, "--model-kwargs",
+                                     help="Constructor keyword arguments (JSON/YAML/file)."),
+    out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
+    plot: str = typer.Option(None, "--plot", help="Write a PNG: overhead curve and timelines."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON only."),
+) -> None:
+    """Plan checkpointing so one training step fits a memory budget, verified on meta."""
+    from remat3d.planning import plan as make_plan
+    from remat3d.profiling import profile
+    from remat3d.units import format_bytes
+
+    net, shape = build(model, input, model_kwargs)
+    amp_ = parse_amp(amp)
+    # stdout is the JSON alone with --json; otherwise a spinner writes there
+    status = console.status(f"planning {model} at {format_shape(shape)}",
+                            spinner="dots") if not json_out else quiet_native_stdout()
+    with status:
+        base = profile(net, shape, amp=amp_)
+        result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
+                           amp=amp_, tile=tile, host_budget=host_budget)
+    if out:
+        result.save(out)
+    if json_out:
+        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        return
+    table = Table(title=f"{model} {format_shape(shape)} amp={amp}: "
+                        f"{len(result.regions)} regions ({strategy})", title_justify="left")
+    table.add_column("module", overflow="fold", min_width=24)
+    table.add_column("decision")
+    table.add_column("policy / tile")
+    for region in result.regions:
+        detail = str(region.policy or "")
+        if region.tile:
+            detail = format_shape(region.tile) + (" fused" if region.fuse else "") \
+                + (" output on host" if region.host else "")
+        table.add_row(region.label, region.decision, detail)
+    console.print(table)
+    predicted = ("" if result.predicted_peak_bytes is None else
+                 f" | predicted {format_bytes(result.predicted_peak_bytes)}")
+    console.print(
+        f"budget {format_bytes(result.budget_bytes or 0)} | unplanned peak "
+        f"{format_bytes(base.peak_bytes)}{predicted}"
+        f" | verified [bold]{format_bytes(result.verified_peak_bytes or 0)}[/] | "
+        + (f"extra +{100 * _overhead(result, base):.1f}% FLOPs (recompute, tile passes, "
+           "halos)" if result.tiled else f"recompute +{100 * _overhead(result, base):.1f}% FLOPs"),
+        highlight=False)
+    if result.verified_host_bytes:
+        console.print(f"host memory for tiled outputs kept there: "
+                      f"{format_bytes(result.verified_host_bytes)}", highlight=False)
+    if result.offloads and not result.prefetch:
+        console.print("offloaded tensors are copied back when backward needs them, not "
+                      "prefetched (the prefetch's overlap does not fit this budget)",
+                      highlight=False)
+    if out:
+        console.print(f"plan written to [bold]{out}[/]")
+    if plot:
+        _plot(plot, net, shape, result, base, amp_, offload, model, tile)
+        console.print(f"plot written to [bold]{plot}[/]")
+
+
+def _overhead(plan: Any, base: Any) -> float:
+    """A plan's extra FLOPs as a fraction of the unplanned step's (tiled plans: every extra
+    pass and halo; otherwise the recomputation)."""
+    extra = plan.extra_flops if plan.tiled and plan.extra_flops is not None else plan.recompute_flops
+    return (extra or 0) / max(1, base.flops)
+
+
+def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | None,
+          offload: bool, model: str, tile: bool = True) -> None:
+    from remat3d.instrument.step import meta_copy
+    from remat3d.plotting import plot_plan
+    from remat3d.profiling import profile
+    from remat3d.runtime.apply import apply
+
+    planned = meta_copy(net)
+    apply(planned, result)
+    timeline = profile(planned, shape, amp=amp).timeline
+    curve = []
+    if result.strategy == "optimal":
+        from remat3d.planning import plan as make_plan
+
+        low = result.verified_peak_bytes or base.peak_bytes
+        for k in range(6):
+            budget = int(low + (base.peak_bytes - low) * k / 5)
+            try:
+                p = make_plan(net, shape, budget=budget, offload=offload, amp=amp, tile=tile)
+            except Remat3dError:
+                continue
+            curve.append((p.verified_peak_bytes or 0, _overhead(p, base)))
+    plot_plan(path, title=f"{model} {format_shape(shape)} amp={amp or 'none'}",
+              curve=curve,
+              chosen=(result.verified_peak_bytes or 0, _overhead(result, base)),
+              budget=result.budget_bytes or 0,
+              unplanned=[e["live_after"] for e in base.timeline],
+              planned=[e["live_after"] for e in timeline])
