@@ -127,3 +127,16 @@ def test_error_messages_are_printed_as_text_not_markup(capsys) -> None:  # type:
         user_errors(command)()
     err = capsys.readouterr().err
     assert "pip install 'remat3d[demo]' (see [/docs])" in " ".join(err.split())
+
+
+@pytest.mark.parametrize("report", ["tiling", "reversible", "tracker", "gpu"])
+def test_bench_report_subcommands_hand_their_options_over(report: str) -> None:
+    result = runner.invoke(app, ["bench", report, "--help"])
+    assert result.exit_code == 0, result.output
+    assert f"remat3d bench {report}" in result.output  # the report's own argparse usage
+
+
+def test_bench_without_out_or_subcommand_says_what_to_give() -> None:
+    result = runner.invoke(app, ["bench", "--suite", "tiny"])
+    assert result.exit_code == 2
+    assert "--out" in result.output and "tiling" in result.output

@@ -57,7 +57,7 @@ _WHERE = {
     "profile": "remat3d.profiling",
     "remove": "remat3d.runtime.apply",
     "report": "remat3d.runtime.report",
-    "tile": "remat3d.nn.tiling",
+    "tile": "remat3d.runtime.tiling",
 }
 
 
@@ -79,7 +79,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from remat3d.graph import CostGraph
     from remat3d.instrument.tracker import MemoryTracker
     from remat3d.measurement import Measurement, measure
-    from remat3d.nn.tiling import tile
     from remat3d.planning import plan
     from remat3d.planspec import Plan, Region
     from remat3d.profiling import Profile, profile
@@ -87,3 +86,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from remat3d.runtime.region import checkpoint
     from remat3d.runtime.report import Report, report
     from remat3d.runtime.state import is_recomputing
+    from remat3d.runtime.tiling import tile

@@ -124,7 +124,7 @@ def plan(
             ``"auto"`` (free CUDA memory less 5 %).
         strategy: a name from the registry (``remat3d.planner.registry.STRATEGIES``).
         offload: allow host memory: saved tensors moved there, and (when tiling) tiled
-            outputs that only tiled stages read kept there (``nn/tiling/host.py``).
+            outputs that only tiled stages read kept there (``runtime/tiling/host.py``).
         amp: ``None``, ``"bf16"`` or ``"fp16"`` — the precision the step will run in.
         tile: let ``optimal`` tile full-resolution stages when no plan of keep /
             recompute / offload decisions fits (``planner/tiling.py``; exact, but each

@@ -51,9 +51,9 @@ def tiled_plan(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
 
     Each layout tiles its stages and recomputes every other stage (``prune_tiled``
     then keeps what still fits); layouts whose verified peak exceeds the budget are
-    passed over, as are stages that cannot run tiled (``nn/tiling/probe.py``)."""
-    from remat3d.nn.tiling.probe import tileable
-    from remat3d.nn.tiling.trace import TilingError
+    passed over, as are stages that cannot run tiled (``runtime/tiling/probe.py``)."""
+    from remat3d.runtime.tiling.probe import tileable
+    from remat3d.runtime.tiling.trace import TilingError
 
     names = [(st.name, st.call_index) for st in stages.stages]
     ok = tileable(model, shapes, amp, names)

@@ -53,11 +53,11 @@ class Region:
             all three axes); tiles need not divide the volume.
         fuse: a ``"tile"`` region whose output is never stored: tiled regions that read it
             compute it inside their own tiles, anything else computes it once when it
-            first needs it (NOTE [ Fused tiled regions ] in ``nn/tiling/fused.py``).
+            first needs it (NOTE [ Fused tiled regions ] in ``runtime/tiling/fused.py``).
         host: a ``"tile"`` region whose output (and its gradient) lives in host memory:
             tiled regions that read it copy their tiles' slices to the device, anything
             else copies it to the device when it first needs it (NOTE [ Host-resident
-            tiled outputs ] in ``nn/tiling/host.py``).
+            tiled outputs ] in ``runtime/tiling/host.py``).
     """
 
     module: str

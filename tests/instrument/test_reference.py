@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from remat3d import zoo
-from remat3d.instrument.validate import validate_preset
+from remat3d.bench.tracker_report import validate_preset
 
 SLOW = {"swinunetr"}  # about a minute of CPU; run with -m slow
 

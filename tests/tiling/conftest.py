@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from remat3d.nn.tiling import tile
+from remat3d.runtime.tiling import tile
 
 
 def max_relative_errors(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import remat3d
-from remat3d.nn.tiling.fused import Deferred, defer
 from remat3d.planspec import Plan, PlanError, Region
+from remat3d.runtime.tiling.fused import Deferred, defer
 
 
 class Up(nn.Module):

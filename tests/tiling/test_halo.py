@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat3d.nn.tiling.halo import (
+from remat3d.halo import (
     CONV,
     SpatialOp,
     conv_input_interval,

@@ -12,8 +12,8 @@ from torch import nn
 
 import remat3d
 from remat3d.instrument.tracker import MemoryTracker
-from remat3d.nn.tiling.host import is_host
 from remat3d.planspec import Plan, PlanError, Region
+from remat3d.runtime.tiling.host import is_host
 
 from .test_fused import FUSED, HOST, TinyUNet, _step, assert_same_step
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat3d.nn.tiling.report_tiling import EXACTNESS_CASES, split_errors, step_errors
+from remat3d.bench.tiling_report import EXACTNESS_CASES, split_errors, step_errors
 
 TOL32 = 1e-5
 TOL64 = 1e-9

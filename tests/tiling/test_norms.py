@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import remat3d
-from remat3d.nn.tiling import tile
 from remat3d.planspec import Plan, Region
+from remat3d.runtime.tiling import tile
 from tests.tiling.test_fused import _step, assert_same_step
 
 TOL64 = 1e-10

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from remat3d import zoo
-from remat3d.nn.tiling import tile
-from remat3d.nn.tiling.presets import FULL_RESOLUTION
+from remat3d.runtime.tiling import tile
+from remat3d.zoo.full_resolution import FULL_RESOLUTION
 
 CASES = [  # preset, volume, tile sizes (one dividing the volume, one not)
     ("nnunet", 64, ((48, 64, 64),)),

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat3d
-from remat3d.nn.tiling import TilingError, tile
+from remat3d.runtime.tiling import TilingError, tile
 
 from .conftest import max_relative_errors
 

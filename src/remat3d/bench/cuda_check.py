@@ -233,7 +233,7 @@ def _plan_at_most(model: torch.nn.Module, shape: list[int], budget: str,
 def tiled_row(preset: str, size: int, tile: int, dtype: torch.dtype,
               device: str) -> dict[str, Any]:
     """Tiled full-resolution stages against the untiled step (``report_tiling``)."""
-    from remat3d.nn.tiling.report_tiling import split_errors, step_errors
+    from remat3d.bench.tiling_report import split_errors, step_errors
 
     errors = split_errors(step_errors(preset, size, tile, dtype, device=device))
     floor = split_errors(step_errors(preset, size, tile, dtype, reference="float64",
@@ -329,7 +329,7 @@ def _parse_shape(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="remat3d bench gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", action="append", default=[],
                         help="PRESET:PLAN.json (repeatable), run in the order given")
     parser.add_argument("--unplanned", action="append", default=[],

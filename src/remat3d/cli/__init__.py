@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from remat3d.cli.bench import bench_command
+from remat3d.cli.bench import bench_app
 from remat3d.cli.common import user_errors
 from remat3d.cli.demo import demo_command
 from remat3d.cli.plan import plan_command
@@ -34,7 +34,7 @@ def _root() -> None:
 
 app.command("profile")(user_errors(profile_command))
 app.command("plan")(user_errors(plan_command))
-app.command("bench")(user_errors(bench_command))
+app.add_typer(bench_app, name="bench")
 app.command("train", context_settings={"allow_extra_args": True,
                                        "ignore_unknown_options": True})(
     user_errors(train_command))

@@ -157,7 +157,7 @@ class MetaAutocast(TorchFunctionMode):
         kwargs = kwargs or {}
         pending = [t for t in types if t is not torch.Tensor and hasattr(t, "materialize")]
         if pending:
-            # a pending fused tiled output (nn/tiling/fused.py) answers shape queries
+            # a pending fused tiled output (runtime/tiling/fused.py) answers shape queries
             # itself and is computed before any other op
             if pending[0].is_metadata(func):
                 with torch._C.DisableTorchFunctionSubclass():

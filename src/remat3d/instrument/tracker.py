@@ -13,7 +13,7 @@ is active (forward, backward, recomputation; on meta, cpu or cuda tensors) and k
 - the tensors passed between module invocations in forward (the edges of the CostGraph).
 
 Host memory on meta: a meta step has one device, so tensors that stand for host buffers
-(tiled runs' host-resident outputs, ``nn/tiling/host.py``) are booked under ``"cpu"``: those
+(tiled runs' host-resident outputs, ``runtime/tiling/host.py``) are booked under ``"cpu"``: those
 made under ``placement("host")``, and the results of ops that read only host tensors
 (autograd summing two host gradients), unless made under ``placement("device")``.
 :attr:`MemoryTracker.host_peak_bytes` is their high-water mark.

@@ -308,7 +308,7 @@ class _PlannedForward:
         stats = state.stats[region.label]
         if region.decision == "tile":
             return self._tile(region, fn, args, kwargs)
-        from remat3d.nn.tiling.fused import materialize  # here: nn imports runtime modules
+        from remat3d.runtime.tiling.fused import materialize  # here: nn imports runtime modules
 
         args, kwargs = materialize((args, kwargs))
         if region.decision == "recompute":
@@ -336,8 +336,8 @@ class _PlannedForward:
 
     def _tile(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         from remat3d.instrument.step import model_device
-        from remat3d.nn.tiling import tile  # here: nn imports runtime modules
-        from remat3d.nn.tiling.fused import defer, fold
+        from remat3d.runtime.tiling import tile  # here: nn imports runtime modules
+        from remat3d.runtime.tiling.fused import defer, fold
 
         if kwargs:
             raise PlanError(f"Plan region {region.label} is tiled, but its module was called "

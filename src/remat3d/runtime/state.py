@@ -51,7 +51,7 @@ def placement(where: str | None) -> Iterator[None]:
     """Say where tensors made inside this block live, for the tracker on meta.
 
     On the meta device host memory and device memory are both ``meta``; code that stands
-    for a host buffer (``nn/tiling/host.py``) allocates it under ``placement("host")``,
+    for a host buffer (``runtime/tiling/host.py``) allocates it under ``placement("host")``,
     and copies a host tensor to the device under ``placement("device")``. ``None``: the
     tracker decides (an op that reads only host tensors runs on the host).
     """

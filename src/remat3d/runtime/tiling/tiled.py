@@ -39,10 +39,12 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
 from remat3d.nn.replay import AmpState
-from remat3d.nn.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
-from remat3d.nn.tiling.halo import Region, needed_regions, owned_region, tile_grid, union
-from remat3d.nn.tiling.host import (
+from remat3d.runtime.guards import BufferGuard, ModuleStack
+from remat3d.runtime.state import recomputing
+from remat3d.runtime.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
+from remat3d.runtime.tiling.host import (
     add_into_host,
     compute_device,
     host_empty,
@@ -51,9 +53,7 @@ from remat3d.nn.tiling.host import (
     mark_host,
     to_device,
 )
-from remat3d.nn.tiling.trace import TilingError, Trace, trace
-from remat3d.runtime.guards import BufferGuard, ModuleStack
-from remat3d.runtime.state import recomputing
+from remat3d.runtime.tiling.trace import TilingError, Trace, trace
 
 __all__ = ["TileSize", "TiledRun", "tile"]
 

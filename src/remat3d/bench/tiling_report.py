@@ -1,7 +1,7 @@
 """Regenerate the numbers in ``docs/tiling.md``: exactness per preset, and nnU-Net at 512³.
 
-``python -m remat3d.nn.tiling.report_tiling [--exactness] [--size 512] [--tile 128]``
-``python -m remat3d.nn.tiling.report_tiling --layouts [--host] [--size 512]``
+``remat3d bench tiling [--exactness] [--size 512] [--tile 128]``
+``remat3d bench tiling --layouts [--host] [--size 512]``
 
 - exactness: each of nnunet, unet, basicunet, segresnet, one fp32 CPU training step with
   the full-resolution stages tiled (``presets.full_resolution_plan``) against the same
@@ -54,8 +54,8 @@ def nnunet_whole_volume_forward(model: nn.Module, tile: int, skip: str = "output
     recompute region when ``checkpoint_inner``. Installed as an instance ``forward``;
     ``del model.forward`` undoes it.
     """
-    from remat3d.nn.tiling import tile as run_tiled
     from remat3d.runtime.region import checkpoint
+    from remat3d.runtime.tiling import tile as run_tiled
 
     top: Any = model.skip_layers      # DynUNetSkipLayer: downsample, next_layer, upsample
     second: Any = top.next_layer
@@ -102,7 +102,7 @@ SETUPS = ("untiled", "full-resolution modules tiled", "outer two levels tiled, s
 def memory_rows(size: int, tile: int, setups: Sequence[str] = SETUPS) -> list[dict[str, Any]]:
     import remat3d
     from remat3d import zoo
-    from remat3d.nn.tiling.presets import full_resolution_plan
+    from remat3d.zoo.full_resolution import full_resolution_plan
 
     x = torch.empty(1, 1, size, size, size, device="meta")
     rows = []
@@ -127,11 +127,11 @@ def layout_rows(size: int, amp: str | None = "bf16", host: bool = False
     like the planner verifies it."""
     import remat3d
     from remat3d import zoo
-    from remat3d.nn.tiling.probe import tileable
     from remat3d.planner.stages import build_stages
     from remat3d.planner.tiling import layouts
     from remat3d.planning_tiled import layout_regions
     from remat3d.planspec import Plan
+    from remat3d.runtime.tiling.probe import tileable
 
     model = zoo.build_model("nnunet", device="meta")
     shapes = [(1, 1, size, size, size)]
@@ -185,7 +185,7 @@ def step_errors(preset: str, size: int, tile: Any, dtype: torch.dtype = torch.fl
     """
     import remat3d
     from remat3d import zoo
-    from remat3d.nn.tiling.presets import full_resolution_plan
+    from remat3d.zoo.full_resolution import full_resolution_plan
 
     torch.manual_seed(0)
     model = zoo.build_model(preset).to(device)
@@ -238,8 +238,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), floor, 1e-30)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="remat3d bench tiling",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--exactness", action="store_true")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--tile", type=int, default=128)
@@ -250,7 +251,7 @@ def main() -> None:
                              "host memory (the planner's with offload allowed)")
     parser.add_argument("--setups", default=";".join(SETUPS),
                         help="separated by ;, the first is the FLOP reference")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.exactness:
         print("| preset | volume | tile | fp32: output / worst grad / buffers | "
               "fp32 noise floor (untiled fp32 vs fp64): output / worst grad | "

@@ -5,7 +5,7 @@ field needs, forward and backward, keeping only its inputs; normalisations use w
 statistics gathered over tiles. See ``docs/tiling.md``.
 """
 
-from remat3d.nn.tiling.tiled import TiledRun, tile
-from remat3d.nn.tiling.trace import TilingError
+from remat3d.runtime.tiling.tiled import TiledRun, tile
+from remat3d.runtime.tiling.trace import TilingError
 
 __all__ = ["TiledRun", "TilingError", "tile"]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from remat3d.nn.tiling.host import compute_device, to_device
+from remat3d.runtime.tiling.host import compute_device, to_device
 
 __all__ = ["Deferred", "defer", "fold", "materialize"]
 
@@ -76,7 +76,7 @@ class Deferred(torch.Tensor):
             if self._host:
                 self._value = to_device(self.host_value(), self.device)
             else:
-                from remat3d.nn.tiling.tiled import tile
+                from remat3d.runtime.tiling.tiled import tile
 
                 fn, inputs, size, _ = self._recipe
                 self._value = tile(fn, *inputs, tile=size, device=self.device)
@@ -86,7 +86,7 @@ class Deferred(torch.Tensor):
         """A host region's output in host memory, computed tiled the first time (rule 5)."""
         assert self._host
         if self._host_value is None:
-            from remat3d.nn.tiling.tiled import tile
+            from remat3d.runtime.tiling.tiled import tile
 
             fn, inputs, size, _ = self._recipe
             self._host_value = tile(fn, *inputs, tile=size, host=True, device=self.device)
@@ -185,8 +185,8 @@ def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
     """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` on ``device`` (with
     its output in host memory: ``host``); its shape and dtype come from a trace on fake
     tensors (no memory, no compute)."""
-    from remat3d.nn.tiling.trace import TilingError, trace
     from remat3d.runtime.state import recomputing
+    from remat3d.runtime.tiling.trace import TilingError, trace
 
     device = device if device is not None else compute_device(fn, inputs)
     with recomputing():

@@ -1,6 +1,6 @@
 """Acceptance measurements for reversible blocks (issue #5), printed as markdown.
 
-Run ``python -m remat3d.nn.report_reversible [--out FILE.md]`` to regenerate the numbers in
+Run ``remat3d bench reversible [--out FILE.md]`` to regenerate the numbers in
 ``docs/reversible.md``:
 
 1. gradients of a depth-16 :class:`~remat3d.nn.ReversibleSequence` at 32³ against the same
@@ -228,13 +228,13 @@ def report() -> str:
         "",
         (f"Generated {datetime.date.today().isoformat()} on {platform.machine()} "
         f"({os.cpu_count()} cores, {torch.get_num_threads()} threads), torch "
-        f"{torch.__version__}, by `python -m remat3d.nn.report_reversible`."),
+        f"{torch.__version__}, by `remat3d bench reversible`."),
     ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="remat3d bench reversible", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default=None, help="write the markdown here")
     args = parser.parse_args(argv)
     text = report()

@@ -41,14 +41,14 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat3d.nn.tiling.halo import (
+from remat3d.halo import (
     Region,
     conv_input_interval,
     conv_transpose_input_interval,
     interpolate_input_interval,
     region_size,
 )
-from remat3d.nn.tiling.trace import NormSpec, TilingError, Trace, TracedOp, bind, func_name
+from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp, bind, func_name
 
 __all__ = ["REGION", "StopPass", "crop", "region_of"]
 

@@ -1,6 +1,6 @@
 """Validate the tracker against the CPU allocator for every zoo preset.
 
-Run ``python -m remat3d.instrument.validate [--size 32] [--out FILE.md]`` to regenerate the
+Run ``remat3d bench tracker [--size 32] [--out FILE.md]`` to regenerate the
 table in ``docs/tracker.md``. Each row runs one real CPU training step twice: once under the
 tracker, once under the allocator trace (``reference.py``), and also counts FLOPs with
 ``torch.utils.flop_counter.FlopCounterMode`` for the same step.
@@ -88,13 +88,13 @@ def markdown(rows: list[ValidationRow]) -> str:
     stamp = (
         f"\nGenerated {datetime.date.today().isoformat()} on {platform.machine()} "
         f"({os.cpu_count()} cores), torch {torch.__version__}, "
-        "by `python -m remat3d.instrument.validate`.\n"
+        "by `remat3d bench tracker`.\n"
     )
     return head + body + stamp
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="remat3d bench tracker", description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=32,
                         help="spatial edge, rounded up to each preset's rule (default 32)")
     parser.add_argument("--presets", nargs="*", default=zoo.preset_names())

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from remat3d.errors import TilingError
+
 __all__ = [
     "Interval",
     "Region",
@@ -66,7 +68,7 @@ class SpatialOp:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"unknown op kind {self.kind!r}; expected one of {KINDS}")
+            raise TilingError(f"unknown op kind {self.kind!r}; expected one of {KINDS}")
 
 
 def conv_input_interval(lo: int, hi: int, *, kernel: int, stride: int, padding: int,
@@ -105,7 +107,7 @@ def interpolate_input_interval(lo: int, hi: int, *, scale: int, mode: str,
             return (2 * o + 1 - scale) // (2 * scale)
 
         return max(floor_c(lo), 0), min(floor_c(hi - 1) + 2, size)
-    raise ValueError(f"unknown interpolation mode {mode!r}")
+    raise TilingError(f"unknown interpolation mode {mode!r}")
 
 
 def input_region(op: SpatialOp, out: Region, in_size: Sequence[int]) -> Region:
@@ -165,7 +167,7 @@ def needed_regions(ops: Sequence[SpatialOp], sizes: Mapping[int, Sequence[int]],
 def split_axis(size: int, tile: int) -> list[Interval]:
     """Consecutive intervals of length ``tile`` covering [0, size); the last may be shorter."""
     if tile < 1:
-        raise ValueError(f"a tile edge must be at least 1, got {tile}")
+        raise TilingError(f"a tile edge must be at least 1, got {tile}")
     return [(lo, min(lo + tile, size)) for lo in range(0, size, tile)]
 
 

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from remat3d.errors import TilingError
-from remat3d.nn.tiling.halo import (
+from remat3d.halo import (
     CONV,
     CONV_TRANSPOSE,
     INTERPOLATE,

@@ -18,8 +18,8 @@ from torch import nn
 
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.step import meta_copy
-from remat3d.nn.tiling.trace import TilingError, trace
 from remat3d.runtime.state import recomputing
+from remat3d.runtime.tiling.trace import TilingError, trace
 
 __all__ = ["tileable"]
 

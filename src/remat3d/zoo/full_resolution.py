@@ -11,6 +11,7 @@ tiles them; combine it with recompute regions for the rest of the network.
 
 from __future__ import annotations
 
+from remat3d.errors import PlanError
 from remat3d.planspec import Plan, Region
 
 __all__ = ["FULL_RESOLUTION", "full_resolution_plan"]
@@ -31,7 +32,7 @@ FULL_RESOLUTION: dict[str, tuple[str, ...]] = {
 def full_resolution_plan(preset: str, tile: int | tuple[int, int, int]) -> Plan:
     """A plan that tiles the full-resolution modules of ``preset`` with output tile ``tile``."""
     if preset not in FULL_RESOLUTION:
-        raise ValueError(f"No full-resolution stages known for preset {preset!r}; known: "
+        raise PlanError(f"No full-resolution stages known for preset {preset!r}; known: "
                          f"{', '.join(FULL_RESOLUTION)}. Write the regions by hand: "
                          "Region(module, decision='tile', tile=[D, H, W]).")
     size = [tile] * 3 if isinstance(tile, int) else list(tile)
