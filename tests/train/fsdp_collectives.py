@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat3d.train import load_settings
-from remat3d.train.loop import Trainer, _deterministic
+from remat3d.train.trainer import Trainer, deterministic
 
 
 class CountCollectives(TorchDispatchMode):
@@ -27,7 +27,7 @@ class CountCollectives(TorchDispatchMode):
 def count(config: str, budget: str) -> tuple[int, int]:
     settings = load_settings(config, [f"--memory_budget={budget}", "--distributed=fsdp",
                                       "--output_dir=/tmp/unused"])
-    with _deterministic(settings):
+    with deterministic(settings):
         trainer = Trainer(settings)
         sample = trainer.load_batch(trainer.batches(0)[0], 0)
         shape = tuple(sample.image.shape)

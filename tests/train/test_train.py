@@ -12,7 +12,7 @@ import torch
 
 from remat3d import zoo
 from remat3d.train import Interrupted, TrainSettings, train
-from remat3d.train.loop import Trainer
+from remat3d.train.trainer import Trainer
 from tests.data.volumes import write_dataset
 
 UNET = {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1}

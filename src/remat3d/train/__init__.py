@@ -1,7 +1,7 @@
 """Fine-tuning on whole volumes: settings, pretrained weights, the training loop."""
 
-from remat3d.train.loop import Interrupted, Trainer, TrainResult, train
 from remat3d.train.settings import TrainSettings, load_settings
+from remat3d.train.trainer import Interrupted, Trainer, TrainResult, train
 from remat3d.train.weights import LoadReport, apply_freeze, load_pretrained, read_state_dict
 
 __all__ = [

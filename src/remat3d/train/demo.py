@@ -54,7 +54,7 @@ def run_demo(output_dir: str | Path = "remat3d-demo", *, budget: str = "0.65x",
              say: Callable[[str], None] = logger.info, progress: bool = True) -> DemoResult:
     """Run the demo; files go to ``output_dir`` (datasets, runs, ``demo.png``)."""
     from remat3d.data.examples import write_mni_dataset, write_phantom_dataset
-    from remat3d.train.loop import Trainer, _deterministic
+    from remat3d.train.trainer import Trainer, deterministic
     from remat3d.train.weights import read_state_dict
 
     started = time.perf_counter()
@@ -69,7 +69,7 @@ def run_demo(output_dir: str | Path = "remat3d-demo", *, budget: str = "0.65x",
         model="unet", model_kwargs={**_UNET, "out_channels": 2}, data=str(phantoms),
         intensity="ct", ct_window=[-200.0, 300.0], val_fraction=0.0, epochs=pretrain_epochs,
         lr=3e-3, output_dir=str(out / "runs" / "pretrain"), progress=progress, seed=0)
-    with _deterministic(pre):
+    with deterministic(pre):
         pretrainer = Trainer(pre, say=say)
         pretrainer.fit()
     timings["pretrain"] = time.perf_counter() - started
@@ -87,7 +87,7 @@ def run_demo(output_dir: str | Path = "remat3d-demo", *, budget: str = "0.65x",
         data=str(mni), intensity="mr", spacing=[spacing] * 3, epochs=finetune_epochs,
         lr=3e-3, memory_budget=budget, output_dir=str(out / "runs" / "finetune"),
         progress=progress, seed=0, val_every=finetune_epochs)
-    with _deterministic(fine):
+    with deterministic(fine):
         trainer = Trainer(fine, say=say)
         plans = trainer.make_plans()
         shape, plan = next(iter(plans.items()))
