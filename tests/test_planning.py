@@ -121,31 +121,36 @@ def test_resolve_budget():
 def test_search_also_tries_targets_above_the_budget():
     """The stage model errs both ways (planning NOTE rule 3): when its plan at the budget
     does not fit, a target above the budget may verify under it with less recomputation.
-    Here the model under-predicts below the budget and over-predicts above it; ``_search``
-    must return both bisections' winners, the one from above the budget first."""
+    Here the model under-predicts below the budget and over-predicts above it; the search's
+    seeds must be both bisections' winners, the one from above the budget first."""
     from remat3d.planner.optimal import min_peak
     from remat3d.planner.registry import PlannerOptions
+    from remat3d.planner.searching import Problem, _Search
     from remat3d.planner.stages import build_stages
-    from remat3d.planning import _search
     from remat3d.planspec import Plan, Region
     from tests.tiling.test_fused import TinyUNet
 
-    stages = build_stages(remat3d.profile(TinyUNet(), SHAPE, device="meta").graph)
+    graph = remat3d.profile(TinyUNet(), SHAPE, device="meta").graph
+    stages = build_stages(graph)
     budget = min_peak(stages)[0] * 11 // 10  # the second bisection's first target is above
 
-    def make(target: int) -> Plan:
-        # a looser target: less recomputation; verified off by +5 % below, -12 % above
-        error = budget // 20 if target <= budget else -(budget * 12 // 100)
-        p = Plan(regions=[Region(f"t{target}")])
-        p.verified_peak_bytes, p.recompute_flops = target + error, 10**9 - target
-        return p
+    class Search(_Search):
+        def make(self, target: int) -> Plan:
+            # a looser target: less recomputation; verified off by +5 % below, -12 % above
+            error = budget // 20 if target <= budget else -(budget * 12 // 100)
+            p = Plan(regions=[Region(f"t{target}")])
+            p.verified_peak_bytes, p.recompute_flops = target + error, 10**9 - target
+            return p
 
-    def build(decisions) -> Plan:  # type: ignore[no-untyped-def]
-        p = Plan(regions=[Region("fixed")])  # fixed strategies: never fit here
-        p.verified_peak_bytes, p.recompute_flops = 2 * stages.unplanned_peak, 0
-        return p
+        def build(self, decisions) -> Plan:  # type: ignore[no-untyped-def]
+            p = Plan(regions=[Region("fixed")])  # fixed strategies: never fit here
+            p.verified_peak_bytes, p.recompute_flops = 2 * stages.unplanned_peak, 0
+            return p
 
-    seeds = _search(stages, budget, PlannerOptions(), make, build, verify=True)
+    problem = Problem(stages=stages, graph=graph, budget=budget, strategy="optimal",
+                      options=PlannerOptions(), header=Plan(), step_flops=0,
+                      unplanned_peak=stages.unplanned_peak, verify=lambda p: None)
+    seeds = Search(problem).seeds()
     assert len(seeds) == 2
     assert all(s.verified_peak_bytes <= budget for s in seeds)
     above, below = seeds  # cheapest first

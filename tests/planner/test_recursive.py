@@ -13,8 +13,8 @@ import remat3d
 from remat3d.planner.chain import revolve_closed_form, solve_chain
 from remat3d.planner.recursive import expressible_ranges, recursive_tree, stage_chain
 from remat3d.planner.registry import PlannerOptions, get_strategy
+from remat3d.planner.searching import decision_regions
 from remat3d.planner.stages import KEEP, Stage, StageModel, build_stages
-from remat3d.planning import _regions
 from remat3d.planspec import Plan
 from tests.runtime.exactness import assert_exact
 
@@ -93,8 +93,7 @@ def test_binomial_plan_runs_exactly_and_costs_what_the_dp_says():
     stages = build_stages(remat3d.profile(net, shape).graph)
     assert len(stages.stages) == n
     decided = get_strategy("recursive")(stages, None, PlannerOptions())
-    plan = Plan(regions=_regions(stages, decided.decisions, {}, decided.containers,
-                                 decided.segments))
+    plan = Plan(regions=decision_regions(stages, decided))
     assert any(r.segment for r in plan.regions)
     report = assert_exact(net, torch.randn(shape), plan)
     assert report is not None

@@ -128,8 +128,8 @@ def layout_rows(size: int, amp: str | None = "bf16", host: bool = False
     import remat3d
     from remat3d import zoo
     from remat3d.planner.stages import build_stages
+    from remat3d.planner.tiled_plans import layout_regions
     from remat3d.planner.tiling import layouts
-    from remat3d.planning_tiled import layout_regions
     from remat3d.planspec import Plan
     from remat3d.runtime.tiling.probe import tileable
 

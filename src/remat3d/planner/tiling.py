@@ -26,7 +26,7 @@ NOTE [ Tiling layouts ]
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
      recomputed keeping its convolution outputs) while the verified peak still fits
-     (``planning_tiled.prune_tiled``). So a tiled plan mixes tile / recompute / keep.
+     (``planner/tiled_plans.py``, ``prune_tiled``). So a tiled plan mixes tile / recompute / keep.
   5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
      ``host``, ``chain``, ``chain+host``; then ``all`` level by level; within each, larger
      tiles first. Full fusion comes last because it recomputes a stage with

@@ -1,28 +1,33 @@
-"""Tiled plans: the planner's tiling layouts as plan regions, verified, then pruned.
+"""The tiled half of the search: tiling layouts as plan regions, the first that fits, pruned.
 
-Used by ``remat3d.plan`` (``planning.py``) when no plan of keep / recompute / selective /
-offload decisions fits the budget; the layouts themselves come from the pure
-``planner/tiling.py`` (NOTE [ Tiling layouts ]).
+Used by the search (``searching.py``) when no plan of keep / recompute / selective / offload
+decisions fits the budget; the layouts come from ``tiling.py`` (NOTE [ Tiling layouts ]).
+Pure: candidates are measured through the ``check`` the search passes in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from torch import nn
-
-from remat3d.graph import CostGraph
+from remat3d.errors import TilingError
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
-from remat3d.planner.tiling import Layout, layouts
+from remat3d.planner.tiling import Layout
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
-__all__ = ["extra_cost", "layout_regions", "prune_tiled", "tiled_plan"]
+__all__ = ["extra_cost", "first_fitting_layout", "layout_regions", "prune_tiled"]
 
 log = logging.getLogger(__name__)
+
+Check = Callable[[Plan], Plan]
+
+
+def extra_cost(p: Plan) -> int:
+    """Extra FLOPs of a verified plan (tiled plans: halos and passes too)."""
+    return p.extra_flops if p.extra_flops is not None else (p.recompute_flops or 0)
 
 
 def layout_regions(stages: StageModel, layout: Layout,
@@ -42,26 +47,21 @@ def layout_regions(stages: StageModel, layout: Layout,
     return regions
 
 
-def tiled_plan(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None, graph: CostGraph,
-           stages: StageModel, options: PlannerOptions, budget: int,
-           check: Callable[[Plan], Plan], header: Plan) -> tuple[Plan | None, int]:
+def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
+                         options: PlannerOptions, host_budget: int | None, budget: int,
+                         fresh: Callable[[list[Region]], Plan], check: Check
+                         ) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
-    verified peak fits ``budget`` (and whose host memory fits ``header``'s host budget),
-    and the smallest verified peak among those tried that fit the host budget.
+    verified peak fits ``budget`` (and whose host memory fits ``host_budget``), and the
+    smallest verified peak among those tried that fit the host budget.
 
-    Each layout tiles its stages and recomputes every other stage (``prune_tiled``
-    then keeps what still fits); layouts whose verified peak exceeds the budget are
-    passed over, as are stages that cannot run tiled (``runtime/tiling/probe.py``)."""
-    from remat3d.runtime.tiling.probe import tileable
-    from remat3d.runtime.tiling.trace import TilingError
-
-    names = [(st.name, st.call_index) for st in stages.stages]
-    ok = tileable(model, shapes, amp, names)
+    Each layout tiles its stages and recomputes every other stage (``prune_tiled`` then
+    keeps what still fits); layouts whose verified peak exceeds the budget are passed
+    over. ``fresh(regions)`` makes a plan with the search's header fields."""
     smallest = 1 << 62
-    for layout in layouts(graph, stages, ok, host=options.offload):
-        candidate = dataclasses.replace(header, regions=layout_regions(stages, layout,
-                                                                       options.recomputable),
-                                        notes=[f"tiling layout: {layout.label}"])
+    for layout in candidates:
+        candidate = fresh(layout_regions(stages, layout, options.recomputable))
+        candidate.notes.append(f"tiling layout: {layout.label}")
         try:
             check(candidate)
         except TilingError as exc:  # an op the probe did not see (shape-dependent code)
@@ -72,7 +72,7 @@ def tiled_plan(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
         log.info("tiling layout %s: verified peak %s, host %s, extra %.3g FLOPs",
                  layout.label, format_bytes(peak), format_bytes(host),
                  candidate.extra_flops or 0)
-        if header.host_budget_bytes is not None and host > header.host_budget_bytes:
+        if host_budget is not None and host > host_budget:
             continue
         smallest = min(smallest, peak)
         if peak <= budget:
@@ -80,18 +80,12 @@ def tiled_plan(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
     return None, smallest
 
 
-def extra_cost(p: Plan) -> int:
-    """Extra FLOPs of a verified plan (tiled plans: halos and passes too)."""
-    return p.extra_flops if p.extra_flops is not None else (p.recompute_flops or 0)
-
-
-def prune_tiled(best: Plan, budget: int, stages: StageModel,
-                   check: Callable[[Plan], Plan]) -> Plan:
-    """A tiled plan made cheaper like ``planning._prune`` does: each recomputed stage, costliest
-    first, is kept instead, else recomputed keeping its convolution outputs, while the
-    verified peak still fits and the extra FLOPs do not grow. So a tiled plan mixes keep,
-    selective recomputation, recomputation and tiling (NOTE [ Tiling layouts ] rule 4 is
-    where it starts). Tiled regions stay as they are.
+def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Plan:
+    """A tiled plan made cheaper like the search's ``prune`` does: each recomputed stage,
+    costliest first, is kept instead, else recomputed keeping its convolution outputs,
+    while the verified peak still fits and the extra FLOPs do not grow. So a tiled plan
+    mixes keep, selective recomputation, recomputation and tiling (NOTE [ Tiling layouts ]
+    rule 4 is where it starts). Tiled regions stay as they are.
 
     Verifying a tiled plan is slow at 512³ (tens of seconds), so a step is only tried
     for a stage that recomputes at least 1 % of the step's FLOPs, and when the bytes it
@@ -116,7 +110,8 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel,
             if st.kept(decision) - st.kept(RECOMPUTE) > slack:
                 continue
             candidate = check(dataclasses.replace(best, regions=trial, notes=list(best.notes)))
-            if (candidate.verified_peak_bytes or 0) <= budget and extra_cost(candidate) <= extra_cost(best):
+            if (candidate.verified_peak_bytes or 0) <= budget and \
+                    extra_cost(candidate) <= extra_cost(best):
                 best = candidate
                 break
     return best

@@ -1,0 +1,351 @@
+"""The search that turns a strategy's decisions into a verified plan under the budget.
+
+Pure: it never imports torch. What it needs of the torch side comes in a
+:class:`Problem`: the stage model and cost graph of the profiled step, the budget, and a
+*verifier* that measures a candidate :class:`~remat3d.planspec.Plan` (``planning.py``
+replays it on the meta device under the tracker; tests pass a fake one).
+
+NOTE [ The budget is a promise ]
+  1. The strategy solves on the stage model (``planner/stages.py``), which predicts.
+  2. Each plan is then measured by the verifier; that verified peak is what is compared
+     with the budget and stored in the plan.
+  3. For ``optimal``, the model's budget is a search variable: targets are bisected, each
+     plan verified, and the cheapest that fits is pruned one verified step at a time
+     (``_Search.seeds``, ``_Search.prune``). The model errs both ways, so when its plan at
+     the budget does not fit, targets somewhat above the budget are tried too. If nothing
+     fits, tiling layouts are tried (NOTE [ Tiling layouts ] in ``planner/tiling.py``); if
+     still nothing fits, or the budget is below the smallest peak any plan reaches, the
+     error names the smallest feasible budget (itself verified).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from remat3d.errors import InfeasibleBudgetError
+from remat3d.graph import CostGraph
+from remat3d.planner.optimal import min_peak
+from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
+from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, StageModel
+from remat3d.planner.tiled_plans import extra_cost, first_fitting_layout, prune_tiled
+from remat3d.planner.tiling import layouts
+from remat3d.planspec import Plan, Region
+from remat3d.units import format_bytes, format_shape
+
+__all__ = ["Measured", "Problem", "Verifier", "decision_regions", "extra_cost", "search"]
+
+_ROUNDS = 8  # bisection steps per search
+
+
+class Measured(NamedTuple):
+    """What the verifier measured of one planned step."""
+
+    peak_bytes: int
+    recompute_flops: int
+    flops: int        # every FLOP of the planned step (recomputation, tile passes, halos)
+    host_bytes: int   # host memory of host-resident tiled outputs
+
+
+Verifier = Callable[[Plan], Measured]
+
+
+@dataclass
+class Problem:
+    """One planning problem: everything the search reads."""
+
+    stages: StageModel
+    graph: CostGraph
+    budget: int
+    strategy: str
+    options: PlannerOptions
+    # the fields every plan made shares (model, fingerprint, shapes, amp, budget, strategy,
+    # host budget); its regions and measurements are ignored
+    header: Plan
+    step_flops: int       # the unplanned step's FLOPs
+    unplanned_peak: int
+    verify: Verifier | None = None   # None: plans are predicted, not measured
+    # which stages may run tiled (asked only when no other plan fits); None: no tiling
+    tileable: Callable[[], list[bool]] | None = None
+
+
+def search(problem: Problem) -> Plan:
+    """The cheapest plan the strategy reaches under ``problem.budget``; raises
+    :class:`InfeasibleBudgetError` naming the smallest feasible budget."""
+    return _Search(problem).run()
+
+
+def decision_regions(model: StageModel, result: Decisions) -> list[Region]:
+    """A strategy's decisions as plan regions (kept stages have none)."""
+    regions = [Region(name, calls=[call]) for name, call in result.containers]
+    regions += [Region(name, calls=[call], segment=list(children))
+                for name, call, children in result.segments]
+    for s, (stage, decision) in enumerate(zip(model.stages, result.decisions)):
+        if decision == KEEP:
+            continue
+        policy = result.policies.get(s)
+        if decision == SELECTIVE:
+            decision, policy = RECOMPUTE, "save-compute-heavy"
+        regions.append(Region(stage.name, calls=[stage.call_index], decision=decision,
+                              policy=policy))
+    return regions
+
+
+class _Search:
+    def __init__(self, problem: Problem) -> None:
+        self.p = problem
+        self.stages = problem.stages
+        self.budget = problem.budget
+        self.solver = get_strategy(problem.strategy)
+        self.measured_plans: dict[tuple, Measured] = {}
+
+    # -- one candidate --------------------------------------------------------------
+    def measure(self, candidate: Plan) -> Measured:
+        """The verifier's measurement, once per distinct plan (searches revisit plans)."""
+        assert self.p.verify is not None
+        signature = (candidate.prefetch, *(
+            (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
+             str(r.policy), tuple(r.tile or ()), r.fuse, r.host)
+            for r in candidate.regions))
+        if signature not in self.measured_plans:
+            self.measured_plans[signature] = self.p.verify(candidate)
+        return self.measured_plans[signature]
+
+    def check(self, candidate: Plan) -> Plan:
+        """``candidate`` with its verified numbers filled in."""
+        m = self.measure(candidate)
+        if m.peak_bytes > self.budget and candidate.offloads:
+            # NOTE [ Offload paths ]: without the prefetch the copies back are not hidden,
+            # but the previous region's tensors are not held early either
+            candidate.prefetch = False
+            late = self.measure(candidate)
+            if late.peak_bytes < m.peak_bytes:
+                m = late
+            else:
+                candidate.prefetch = True
+        candidate.verified_peak_bytes, candidate.recompute_flops = m.peak_bytes, m.recompute_flops
+        candidate.verified_host_bytes = m.host_bytes or None
+        candidate.extra_flops = m.flops - self.p.step_flops
+        candidate.step_flops = self.p.step_flops
+        return candidate
+
+    def build(self, result: Decisions) -> Plan:
+        candidate = self.fresh(regions=decision_regions(self.stages, result),
+                               predicted_peak_bytes=self.stages.peak(result.decisions))
+        if self.p.verify is not None:
+            return self.check(candidate)
+        candidate.recompute_flops = self.stages.recompute_flops(result.decisions)
+        return candidate
+
+    def fresh(self, regions: list[Region], **fields: object) -> Plan:
+        """A new plan with the header's fields (its own lists: plans are the caller's)."""
+        header = self.p.header
+        return dataclasses.replace(header, regions=regions, notes=[],
+                                   input_shapes=[list(s) for s in header.input_shapes],
+                                   **fields)  # type: ignore[arg-type]
+
+    def make(self, target: int) -> Plan | None:
+        try:
+            return self.build(self.solver(self.stages, target, self.p.options))
+        except Infeasible:
+            return None
+
+    def fits(self, candidate: Plan | None) -> bool:
+        return candidate is not None and (candidate.verified_peak_bytes or 0) <= self.budget
+
+    # -- the search -------------------------------------------------------------------
+    def run(self) -> Plan:
+        if self.p.strategy != "optimal":
+            chosen = self.make(self.budget)
+            if chosen is not None:
+                return chosen
+            raise self.infeasible(self.smallest_feasible())
+        verify = self.p.verify is not None
+        seeds = self.seeds()
+        if verify:
+            seeds = [self.prune(seed) for seed in seeds]
+        if seeds:
+            return min(seeds, key=lambda p: p.recompute_flops or 0)
+        smallest = self.smallest_feasible()
+        if verify and self.p.tileable is not None:
+            # below every plan of keep / recompute / offload decisions: tile
+            ok = self.p.tileable()
+            tiled, tiled_smallest = first_fitting_layout(
+                layouts(self.p.graph, self.stages, ok, host=self.p.options.offload),
+                self.stages, self.p.options, self.p.header.host_budget_bytes, self.budget,
+                self.fresh, self.check)
+            smallest = min(smallest, tiled_smallest)
+            if tiled is not None:
+                return prune_tiled(tiled, self.budget, self.stages, self.check)
+        raise self.infeasible(smallest)
+
+    def infeasible(self, smallest: int) -> InfeasibleBudgetError:
+        h, offload = self.p.header, self.p.options.offload
+        host = h.host_budget_bytes
+        return InfeasibleBudgetError(
+            f"Budget {format_bytes(self.budget)} is infeasible for {h.model} "
+            f"{' '.join(format_shape(s) for s in h.input_shapes)} "
+            f"(amp={h.amp or 'none'}{', offload' if offload else ''}"
+            f"{'' if host is None else ', host memory ' + format_bytes(host)}"
+            "): the smallest "
+            f"feasible budget is {format_bytes(smallest)} ({smallest} bytes); the "
+            f"unplanned peak is {format_bytes(self.p.unplanned_peak)}."
+            + ("" if offload else " Allowing offload (offload=True) may lower it.")
+            + ("" if self.p.tileable is not None
+               else " Allowing tiling (tile=True; --tile) may lower it.")
+            + ("" if host is None or not offload
+               else " A larger host budget (host_budget) may lower it."),
+            smallest_feasible_bytes=smallest, unplanned_peak_bytes=self.p.unplanned_peak,
+        )
+
+    def seeds(self) -> list[Plan]:
+        """The plans that ``prune`` starts from: the cheapest verified plans under the
+        budget (NOTE rule 3), at most two, cheapest first; empty when none fits.
+
+        The model's targets are searched by bisection between the most frugal plan's
+        predicted peak and the unplanned one: a larger target allows less recomputation,
+        and each candidate is verified; the cheapest one that fits wins. When the model's
+        plan at the budget itself does not fit, a second bisection also tries targets up
+        to 1/8 above the budget: the model errs both ways, and such a target can verify
+        under the budget with less recomputation. Its winner is pruned too, beside the
+        first bisection's, because pruning can end cheaper from either.
+        """
+        budget, stages, options = self.budget, self.stages, self.p.options
+        verify = self.p.verify is not None
+        first = self.make(budget)
+        unplanned = max(stages.unplanned_peak, stages.peak([KEEP] * len(stages.stages))) + 1
+        if first is not None and (not verify or self.fits(first)):
+            if not first.regions:
+                return [first]
+            # fits at the real budget: try looser targets only
+            seeds = [self.bisect(first, budget, unplanned)]
+        else:
+            frugal = min_peak(stages, offload=options.offload,
+                              recomputable=options.recomputable)[0]
+            seeds = [self.bisect(None, frugal, budget)]
+            if verify:
+                seeds.append(self.bisect(None, frugal, budget + budget // 8))
+        others: list[Plan] = []
+        if verify:
+            others += self.chain_trees()
+        # the fixed strategies and the most frugal plans compete too: optimal never costs
+        # more than any of them at a budget they keep
+        others += [p for p in self.candidates() if self.fits(p)]
+        found: list[Plan] = []
+        for seed in seeds:
+            best = seed
+            for other in others:
+                if best is None or (other.recompute_flops or 0) < (best.recompute_flops or 0):
+                    best = other
+            if best is not None and all(best is not f for f in found):
+                found.append(best)
+        return sorted(found, key=lambda p: p.recompute_flops or 0)
+
+    def chain_trees(self) -> list[Plan]:
+        """The chain dynamic program's region trees (nested regions, which the MILP does
+        not choose) that fit: its model is approximate, so its target moves by the
+        verified error, three times at most."""
+        found, target = [], self.budget
+        for _ in range(3):
+            tree = self.build(get_strategy("recursive")(self.stages, target, self.p.options))
+            peak = tree.verified_peak_bytes or 0
+            if peak <= self.budget:
+                found.append(tree)
+            if abs(self.budget - peak) <= max(1, self.budget // 1000):
+                break
+            target += self.budget - peak
+        return found
+
+    def bisect(self, best: Plan | None, low: int, high: int) -> Plan | None:
+        """The cheapest plan under the budget among the model's plans at targets bisected
+        between ``low`` and ``high`` (a target whose plan fits raises ``low``)."""
+        for _ in range(_ROUNDS):
+            if high - low <= max(1, self.budget // 1000):
+                break
+            mid = (low + high) // 2
+            candidate = self.make(mid)
+            if candidate is None:
+                low = mid
+                continue
+            if self.fits(candidate):
+                if best is None or (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
+                    best = candidate
+                low = mid
+            else:
+                high = mid
+        return best
+
+    def candidates(self) -> list[Plan]:
+        """Plans every budget search also considers: the model's most frugal one, every
+        stage, every stage inside nested regions on every container (the deepest
+        recomputation), and the fixed strategies (blocks, uniform, sqrt, balanced,
+        recursive)."""
+        stages, options = self.stages, self.p.options
+        plans = []
+        frugal = self.make(min_peak(stages, offload=options.offload,
+                                    recomputable=options.recomputable)[0])
+        if frugal is not None:
+            plans.append(frugal)
+        ok = options.recomputable or [True] * len(stages.stages)
+        every = [RECOMPUTE if ok[st.index] else KEEP for st in stages.stages]
+        plans.append(self.build(Decisions(every)))
+        nested = [(name, call) for name, call, covered in stages.containers
+                  if all(ok[i] for i in covered)]
+        if nested:
+            plans.append(self.build(Decisions(every, containers=nested)))
+        for name in ("blocks", "uniform", "sqrt", "balanced", "recursive"):
+            plans.append(self.build(get_strategy(name)(stages, None, options)))
+        return plans
+
+    def smallest_feasible(self) -> int:
+        """The smallest peak among the plans every search considers (each distinct plan is
+        measured once, so the search's candidates are not measured again)."""
+        return min(p.verified_peak_bytes if p.verified_peak_bytes is not None
+                   else (p.predicted_peak_bytes or 0) for p in self.candidates())
+
+    # -- pruning ----------------------------------------------------------------------
+    def prune(self, best: Plan) -> Plan:
+        """Make the plan cheaper one verified step at a time, costliest region first.
+
+        The stage model is conservative, so the solver's plan may recompute more than
+        needed. Each region is first dropped, else downgraded from a full recompute to a
+        selective one (keeping its convolution outputs); a step is taken only if the
+        verified peak still fits and the recomputed FLOPs do not grow. Regions on
+        containers and segments (nested plans) stay.
+        """
+        stages = self.stages
+        by_name = {(st.name, st.call_index): st for st in stages.stages}
+        decisions: dict[tuple[str, int], str] = {}
+        containers: list[tuple[str, int]] = []
+        segments: list[tuple[str, int, list[str]]] = []
+        for r in best.regions:
+            key = (r.module, (r.calls or [0])[0])
+            if r.segment:
+                segments.append((r.module, key[1], list(r.segment)))
+            elif key not in by_name:
+                containers.append(key)
+            else:
+                decisions[key] = SELECTIVE if r.policy == "save-compute-heavy" else r.decision
+        order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
+                       if decisions[k] == RECOMPUTE else -by_name[k].saved_bytes)
+
+        def attempt(trial: dict[tuple[str, int], str]) -> Plan | None:
+            candidate = self.build(Decisions([trial.get((st.name, st.call_index), KEEP)
+                                              for st in stages.stages],
+                                             containers=containers, segments=segments))
+            if self.fits(candidate) and \
+                    (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
+                return candidate
+            return None
+
+        for key in order:
+            dropped = {k: v for k, v in decisions.items() if k != key}
+            found = attempt(dropped)
+            if found is None and decisions[key] == RECOMPUTE:
+                dropped = {**decisions, key: SELECTIVE}
+                found = attempt(dropped)
+            if found is not None:
+                best, decisions = found, dropped
+        return best
