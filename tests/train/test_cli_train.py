@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -116,11 +115,27 @@ def test_resume_without_a_run(data):
     assert result.exit_code == 2 and "Nothing to resume" in result.output
 
 
+# The killed run: the real CLI in a process that SIGKILLs itself right after the training
+# state of optimizer step 3 (mid-epoch) is on disk. Deterministic, unlike polling the state
+# file from outside (a loaded machine could miss every save before the run ended).
+_KILLED_AFTER_SAVE = """
+import os, signal, sys
+import remat3d.train.fit as fit
+from remat3d.cli import main
+written = fit.save_state
+def save_then_die(folder, state):
+    written(folder, state)
+    if state["step"] >= 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+fit.save_state = save_then_die
+sys.argv = ["remat3d", *sys.argv[1:]]
+main()
+"""
+
+
 def test_killed_process_resumes_to_the_same_weights(data):
     """A real kill (SIGKILL) mid-run, then --resume, against an uninterrupted run."""
-    # 6 epochs of 2 steps: on a loaded machine the poll below can miss a few saves, and
-    # the kill must still land before the last one
-    cfg = config(data, epochs=6, save_every=1)
+    cfg = config(data, epochs=3, save_every=1)
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     command = [sys.executable, "-m", "remat3d", "train", str(cfg)]
     whole = subprocess.run([*command, f"--output_dir={data / 'whole'}"], env=env,
@@ -128,18 +143,13 @@ def test_killed_process_resumes_to_the_same_weights(data):
     assert whole.returncode == 0, whole.stderr
 
     killed_dir = data / "killed"
-    process = subprocess.Popen([*command, f"--output_dir={killed_dir}"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        state = killed_dir / "state.pt"
-        if state.exists() and torch.load(state, weights_only=True)["step"] >= 2:
-            break
-        time.sleep(0.2)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SAVE, "train", str(cfg),
+                             f"--output_dir={killed_dir}"], env=env, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     saved = torch.load(killed_dir / "state.pt", weights_only=True)
-    assert 2 <= saved["step"] < 12, "killed too late to test a resume"
+    assert saved["step"] == 3 and saved["epoch"] == 1 and saved["position"] == 1
+    assert not (killed_dir / "model.pt").exists()  # the run did not finish
     resumed = subprocess.run([*command, f"--output_dir={killed_dir}", "--resume"], env=env,
                              capture_output=True, text=True, timeout=600, check=False)
     assert resumed.returncode == 0, resumed.stderr
