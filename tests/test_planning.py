@@ -71,7 +71,8 @@ def test_plans_are_cached_per_shape(basicunet):
     assert b is not a and b.input_shapes == [[1, 1, 48, 48, 48]]
 
 
-@pytest.mark.parametrize("strategy", ["none", "blocks", "selective", "recursive", "uniform", "sqrt", "balanced"])
+@pytest.mark.parametrize("strategy", ["none", "blocks", "selective", "recursive", "uniform",
+                                      "sqrt", "balanced"])
 def test_fixed_strategies_are_verified(basicunet, strategy):
     p = remat3d.plan(basicunet, SHAPE, budget="1.0x", strategy=strategy)
     assert p.verified_peak_bytes is not None

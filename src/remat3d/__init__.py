@@ -51,7 +51,7 @@ _WHERE = {
     "TilingError": "remat3d.errors",
     "apply": "remat3d.runtime.apply",
     "checkpoint": "remat3d.runtime.region",
-    "is_recomputing": "remat3d.runtime.state",
+    "is_recomputing": "remat3d.instrument.state",
     "measure": "remat3d.measurement",
     "plan": "remat3d.planning",
     "profile": "remat3d.profiling",
@@ -77,6 +77,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from remat3d.errors import Remat3dError, TilingError
     from remat3d.graph import CostGraph
+    from remat3d.instrument.state import is_recomputing
     from remat3d.instrument.tracker import MemoryTracker
     from remat3d.measurement import Measurement, measure
     from remat3d.planning import plan
@@ -85,5 +86,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from remat3d.runtime.apply import apply, remove
     from remat3d.runtime.region import checkpoint
     from remat3d.runtime.report import Report, report
-    from remat3d.runtime.state import is_recomputing
     from remat3d.runtime.tiling import tile

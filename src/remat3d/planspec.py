@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from remat3d.decisions import PLAN_DECISIONS, Decision
 from remat3d.errors import PlanError
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes, format_shape
@@ -26,7 +27,7 @@ from remat3d.units import format_bytes, format_shape
 __all__ = ["DECISIONS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
-DECISIONS = ("recompute", "offload", "keep", "tile")
+DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may say
 
 
 @dataclass
@@ -85,12 +86,13 @@ class Region:
                 f"Region {self.label}: unknown decision {self.decision!r}; "
                 f"use one of {', '.join(DECISIONS)}."
             )
-        if self.policy is not None and self.decision != "recompute":
+        self.decision = Decision(self.decision).value  # plain JSON text, member or not
+        if self.policy is not None and self.decision != Decision.RECOMPUTE:
             raise PlanError(
                 f"Region {self.label}: an op policy only applies to decision 'recompute', "
                 f"not {self.decision!r}."
             )
-        if (self.decision == "tile") != (self.tile is not None):
+        if (self.decision == Decision.TILE) != (self.tile is not None):
             raise PlanError(
                 f"Region {self.label}: decision 'tile' needs a tile size and a tile size "
                 f"needs decision 'tile'; got decision {self.decision!r}, tile {self.tile!r}."
@@ -102,14 +104,14 @@ class Region:
                 f"Region {self.label}: tile must be one or three positive ints (D, H, W), "
                 f"got {self.tile!r}."
             )
-        if self.fuse and self.decision != "tile":
+        if self.fuse and self.decision != Decision.TILE:
             raise PlanError(f"Region {self.label}: fuse applies to tiled regions only "
                             f"(decision 'tile'), not {self.decision!r}.")
-        if self.host and (self.decision != "tile" or self.fuse):
+        if self.host and (self.decision != Decision.TILE or self.fuse):
             raise PlanError(f"Region {self.label}: host applies to tiled regions that are "
                             f"not fused (decision 'tile', fuse False); got decision "
                             f"{self.decision!r}, fuse {self.fuse}.")
-        if self.decision == "tile" and (self.policy is not None or self.storage_dtype):
+        if self.decision == Decision.TILE and (self.policy is not None or self.storage_dtype):
             raise PlanError(f"Region {self.label}: a tiled region takes no op policy or "
                             "storage dtype (it keeps only its inputs).")
         if self.calls is not None and any((not isinstance(c, int)) or c < 0 for c in self.calls):
@@ -156,12 +158,12 @@ class Plan:
     @property
     def tiled(self) -> bool:
         """Whether any region runs tiled (its extra FLOPs are then more than recomputation)."""
-        return any(r.decision == "tile" for r in self.regions)
+        return any(r.decision == Decision.TILE for r in self.regions)
 
     @property
     def offloads(self) -> bool:
         """Whether any region offloads its saved tensors to host memory."""
-        return any(r.decision == "offload" for r in self.regions)
+        return any(r.decision == Decision.OFFLOAD for r in self.regions)
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -223,7 +225,8 @@ class Plan:
         if self.recompute_flops is not None:
             lines.append(f"  recompute {_flops(self.recompute_flops, self.step_flops)}")
         if self.verified_host_bytes:
-            lines.append(f"  host memory for tiled outputs {format_bytes(self.verified_host_bytes)}")
+            host = format_bytes(self.verified_host_bytes)
+            lines.append(f"  host memory for tiled outputs {host}")
         if self.offloads and not self.prefetch:
             lines.append("  offload: copied back on demand (no prefetch)")
         if self.extra_flops is not None and self.tiled:

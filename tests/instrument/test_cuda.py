@@ -50,8 +50,8 @@ def test_host_resident_tiled_outputs_leave_the_device():
     import copy
 
     from remat3d.planner.stages import build_stages
+    from remat3d.planner.tiled_plans import layout_regions
     from remat3d.planner.tiling import layouts
-    from remat3d.planning_tiled import layout_regions
     from remat3d.planspec import Plan
     from remat3d.profiling import profile
     from remat3d.runtime.apply import apply

@@ -103,7 +103,7 @@ def test_diverging_recomputation_names_the_op_and_module():
             self.calls += 1
             return self.conv(x) if self.calls == 1 else self.conv(x * 2)
 
-    from remat3d.runtime.state import register_module_names
+    from remat3d.instrument.state import register_module_names
 
     model = nn.Sequential(Flaky())
     register_module_names(model)

@@ -149,7 +149,8 @@ def test_fuse_needs_a_tiled_region_and_round_trips() -> None:
 
 
 @pytest.mark.parametrize(("flag", "message"), [("fuse", "can be fused. Set fuse=False"),
-                                               ("host", "can be kept in host memory. Set host=False")])
+                                               ("host", ("can be kept in host memory. "
+                                                         "Set host=False"))])
 def test_a_region_with_two_outputs_cannot_be_fused_or_kept_on_the_host(
         flag: str, message: str) -> None:
     class Two(nn.Module):

@@ -93,7 +93,7 @@ def test_meta_step_books_the_host_output_as_host_memory() -> None:
 
 
 def test_tracker_books_host_placements_and_host_only_ops_on_the_host() -> None:
-    from remat3d.runtime.state import placement
+    from remat3d.instrument.state import placement
 
     with MemoryTracker("meta") as tracker:
         with placement("host"):
@@ -130,8 +130,8 @@ def test_nnunet_layouts_with_host_outputs_equal_the_untiled_step(fuse: str) -> N
     half-resolution map on the host), in float64 on the CPU."""
     from remat3d import zoo
     from remat3d.planner.stages import build_stages
+    from remat3d.planner.tiled_plans import layout_regions
     from remat3d.planner.tiling import layouts
-    from remat3d.planning_tiled import layout_regions
 
     shape = (1, 1, 64, 64, 64)  # the least that leaves the bottleneck more than one voxel
     torch.manual_seed(0)

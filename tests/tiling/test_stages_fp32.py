@@ -12,7 +12,8 @@ NOTE [ What "equal" means for a reordered sum ]
     fp32 ones; or, where the untiled fp32 stage is itself less accurate than that, tiled
     no less accurate than untiled against float64 (within 3x, + 1e-6).
   - fp32, reductions (parameter gradients, running statistics: sums over every voxel):
-    within 1e-4 norm-wise, or no less accurate than untiled against float64 (as above). A bias gradient over 64³ voxels of a zero-mean output gradient
+    within 1e-4 norm-wise, or no less accurate than untiled against float64 (as above). A bias
+    gradient over 64³ voxels of a zero-mean output gradient
     cancels ~400-fold, so in fp32 it is ~1e-5 from float64 in *any* order of summation
     (untiled: 3.5e-6 for nnU-Net's head; tiled into 6 tiles: 1.1e-5 from untiled); weight
     gradients of the 3³ convolutions are ~1e-3 from float64 untiled.

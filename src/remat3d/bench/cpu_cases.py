@@ -7,7 +7,8 @@ For each method a copy of one CPU model (same weights) gets the method installed
 - *memory*: the tracker's peak of that step on CPU (what the allocator sees at op
   boundaries: ``docs/tracker.md``);
 - *time*: ``repeats`` rounds (more for short steps: at least ``suite.min_seconds`` of
-  unplanned steps, at most ``MAX_ROUNDS``) after one warm-up round; each round runs every method once,
+  unplanned steps, at most ``MAX_ROUNDS``) after one warm-up round; each round runs every method
+  once,
   in turn (interleaved, so a slow spell of a shared machine hits every method alike);
   ``step_time_ratio`` is the median over rounds of (method seconds / unplanned seconds).
   Each round starts one method later than the one before (allocator and cache state

@@ -234,7 +234,8 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="remat3d bench reversible", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="remat3d bench reversible",
+                                     description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default=None, help="write the markdown here")
     args = parser.parse_args(argv)
     text = report()

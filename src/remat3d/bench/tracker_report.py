@@ -94,7 +94,8 @@ def markdown(rows: list[ValidationRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="remat3d bench tracker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="remat3d bench tracker",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=32,
                         help="spatial edge, rounded up to each preset's rule (default 32)")
     parser.add_argument("--presets", nargs="*", default=zoo.preset_names())

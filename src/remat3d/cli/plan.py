@@ -98,7 +98,8 @@ def plan_command(
 def _overhead(plan: Any, base: Any) -> float:
     """A plan's extra FLOPs as a fraction of the unplanned step's (tiled plans: every extra
     pass and halo; otherwise the recomputation)."""
-    extra = plan.extra_flops if plan.tiled and plan.extra_flops is not None else plan.recompute_flops
+    tiled = plan.tiled and plan.extra_flops is not None
+    extra = plan.extra_flops if tiled else plan.recompute_flops
     return (extra or 0) / max(1, base.flops)
 
 

@@ -169,7 +169,9 @@ class MetaAutocast(TorchFunctionMode):
         target: torch.dtype | None = None
         if name in LOWER_PRECISION_OPS:
             target = self.dtype
-        elif name in FP32_OPS or name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None or PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area":
+        elif (name in FP32_OPS
+              or (name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None)
+              or (PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area")):
             target = torch.float32
         elif name in PROMOTE_OPS:
             dtypes = [x.dtype for x in tree_leaves((args, kwargs)) if _eligible(x)]

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 from remat3d.instrument.flops import op_flops
 from remat3d.instrument.invocations import Invocation, InvocationRecorder
 from remat3d.instrument.ledger import StorageLedger, StorageRecord
-from remat3d.runtime.state import current_placement, is_recomputing
+from remat3d.instrument.state import current_placement, is_recomputing
 
 __all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
 

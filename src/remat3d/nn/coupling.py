@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from remat3d.errors import ReversibleError
-from remat3d.nn.replay import RngTape
-from remat3d.runtime.state import module_name
+from remat3d.instrument.state import module_name
+from remat3d.runtime.replay import RngTape
 from remat3d.units import format_shape
 
 __all__ = ["AdditiveCoupling", "AffineCoupling", "Coupling", "ReversibleBlock",
@@ -58,7 +58,7 @@ def _grad_params(module: nn.Module) -> list[nn.Parameter]:
 class ReversibleBlock(nn.Module):
     """A module whose input can be computed from its output (the base class's contract).
 
-    Subclasses implement :meth:`forward` (with an optional :class:`~remat3d.nn.replay.RngTape`
+    Subclasses implement :meth:`forward` (with an optional :class:`~remat3d.runtime.replay.RngTape`
     to record random draws in) and :meth:`inverse`. The default :meth:`reverse` inverts the
     output without grad, then runs forward again on the rebuilt input to get gradients (two
     passes); :class:`Coupling` overrides it with a one-pass version.
@@ -158,8 +158,8 @@ class Coupling(ReversibleBlock):
             got = format_shape(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
             raise ReversibleError(
                 f"{role} of {_name(self)} ({_name(module)}) must return a {format_shape(expected)} "
-                f"tensor for its {format_shape(half.shape)} input half, so that the coupling can be "
-                f"inverted; it returned {got}. Keep {role}'s channels and spatial size (no "
+                f"tensor for its {format_shape(half.shape)} input half, so that the coupling "
+                f"can be inverted; it returned {got}. Keep {role}'s channels and spatial size (no "
                 "stride, 'same' padding); change resolution or width outside the coupling."
             )
         return h

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from remat3d.instrument.state import recomputing
 from remat3d.nn.coupling import Coupling, ReversibleBlock, ReversibleError
-from remat3d.nn.replay import AmpState, RngTape
 from remat3d.runtime.guards import BufferGuard, ModuleStack
-from remat3d.runtime.state import recomputing
+from remat3d.runtime.replay import AmpState, RngTape
 
 __all__ = ["ReversibleSequence"]
 

@@ -36,7 +36,8 @@ NOTE [ The chain model ]
   Every schedule of the program is a tree of nested regions (checkpoints) on the chain:
   the second choice is a recompute region over layers ``s..k-1`` whose own schedule is
   ``C(s, k-1, .)``; a taped layer is a layer run normally inside its enclosing region.
-  ``ChainSchedule.regions`` is that tree, and :func:`region_tree_cost` its cost. PyTorch's non-reentrant checkpoint with early stop
+  ``ChainSchedule.regions`` is that tree, and :func:`region_tree_cost` its cost. PyTorch's
+  non-reentrant checkpoint with early stop
   runs such a tree with exactly this schedule: a region's recomputation stops at the input
   of its last sub-region (NOTE [ Nestable Checkpoint ] in ``torch.utils.checkpoint``).
 

@@ -17,7 +17,8 @@ tree expresses are its stages and its nested levels). Every plan is verified on 
 
 Without a budget the schedule is revolve's binomial one on the stage *count* (every
 stage costs 1 and every activation 1 unit, like ``sqrt`` uses counts) with
-``ceil(log2 n)`` checkpoints (the input among them), or the fewest the expressible regions allow: logarithmic
+``ceil(log2 n)`` checkpoints (the input among them), or the fewest the expressible regions allow:
+logarithmic
 memory for ``O(n log n)`` recomputation on a chain. With a budget the program runs on the
 measured bytes and FLOPs.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from remat3d.decisions import SELECTIVE_POLICY
 from remat3d.errors import Remat3dError
 from remat3d.planner.optimal import Costs, solve
 from remat3d.planner.recursive import recursive_tree
@@ -90,7 +91,7 @@ def _blocks(model: StageModel, budget: int | None, options: PlannerOptions) -> D
 @register("selective", "every block recomputed except its convolution/matmul outputs")
 def _selective(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
     chosen = _blocks(model, budget, options)
-    chosen.policies = {i: "save-compute-heavy" for i, d in enumerate(chosen.decisions)
+    chosen.policies = {i: SELECTIVE_POLICY for i, d in enumerate(chosen.decisions)
                        if d == RECOMPUTE}
     return chosen
 
@@ -101,7 +102,8 @@ def _segmented(model: StageModel, options: PlannerOptions,
     return Decisions(decisions, containers=containers)
 
 
-@register("uniform", "k segments of equal stage count (checkpoint_sequential); k = options.segments")
+@register("uniform",
+          "k segments of equal stage count (checkpoint_sequential); k = options.segments")
 def _uniform(model: StageModel, budget: int | None, options: PlannerOptions) -> Decisions:
     return _segmented(model, options, equal_count(len(model.stages), options.segments))
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from remat3d.decisions import SELECTIVE_POLICY, Decision
 from remat3d.errors import InfeasibleBudgetError
 from remat3d.graph import CostGraph
 from remat3d.planner.optimal import min_peak
@@ -87,7 +88,7 @@ def decision_regions(model: StageModel, result: Decisions) -> list[Region]:
             continue
         policy = result.policies.get(s)
         if decision == SELECTIVE:
-            decision, policy = RECOMPUTE, "save-compute-heavy"
+            decision, policy = RECOMPUTE, SELECTIVE_POLICY
         regions.append(Region(stage.name, calls=[stage.call_index], decision=decision,
                               policy=policy))
     return regions
@@ -327,7 +328,7 @@ class _Search:
             elif key not in by_name:
                 containers.append(key)
             else:
-                decisions[key] = SELECTIVE if r.policy == "save-compute-heavy" else r.decision
+                decisions[key] = SELECTIVE if r.policy == SELECTIVE_POLICY else Decision(r.decision)
         order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
                        if decisions[k] == RECOMPUTE else -by_name[k].saved_bytes)
 

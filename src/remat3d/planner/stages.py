@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from remat3d.decisions import Decision
 from remat3d.graph import CostGraph, Node
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "Stage", "StageModel", "build_stages"]
 
-KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
-SELECTIVE = "selective"  # recompute, keeping the compute-heavy op outputs
+# the planner's decisions (remat3d.decisions): SELECTIVE recomputes, keeping the outputs
+# of compute-heavy ops
+KEEP, RECOMPUTE, OFFLOAD = Decision.KEEP, Decision.RECOMPUTE, Decision.OFFLOAD
+SELECTIVE = Decision.SELECTIVE
 
 
 @dataclass

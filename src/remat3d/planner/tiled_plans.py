@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
+from remat3d.decisions import SELECTIVE_POLICY, Decision, TiledOutput
 from remat3d.errors import TilingError
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
@@ -39,9 +40,9 @@ def layout_regions(stages: StageModel, layout: Layout,
     for st in stages.stages:
         if st.index in layout.tiled:
             size, output = layout.tiled[st.index]
-            regions.append(Region(st.name, calls=[st.call_index], decision="tile",
-                                  tile=list(size), fuse=output == "fused",
-                                  host=output == "host"))
+            regions.append(Region(st.name, calls=[st.call_index], decision=Decision.TILE,
+                                  tile=list(size), fuse=output == TiledOutput.FUSED,
+                                  host=output == TiledOutput.HOST))
         elif ok[st.index]:
             regions.append(Region(st.name, calls=[st.call_index]))
     return regions
@@ -104,7 +105,7 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
                   if (st := stage_of(r)) is not None and st.fwd_flops >= floor]
     for region, st in sorted(recomputed, key=lambda pair: -pair[1].fwd_flops):
         others = [r for r in best.regions if r is not region]
-        selective = dataclasses.replace(region, policy="save-compute-heavy")
+        selective = dataclasses.replace(region, policy=SELECTIVE_POLICY)
         for decision, trial in ((KEEP, others), (SELECTIVE, [*others, selective])):
             slack = budget - (best.verified_peak_bytes or 0)
             if st.kept(decision) - st.kept(RECOMPUTE) > slack:

@@ -33,7 +33,8 @@ NOTE [ Tiling layouts ]
      normalisations in every reader's run (each normalisation costs a pass over the run:
      nnU-Net at 512³, ``all`` at one level costs 3.5x the FLOPs, two levels of ``none``
      2.5x); ``host`` copies instead of recomputing, ``chain`` fuses into a single reader
-     (the cheapest fusion: a decoder stage into a 1x1 head adds nothing). Each normalisation inside a run costs extra passes over the run and fusion
+     (the cheapest fusion: a decoder stage into a 1x1 head adds nothing). Each normalisation inside
+     a run costs extra passes over the run and fusion
      puts more normalisations in a run; smaller tiles add halo overlap. The order is a
      heuristic; the memory of each layout is measured, never guessed.
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from remat3d.decisions import TiledOutput
 from remat3d.graph import CostGraph
 from remat3d.planner.stages import StageModel
 
@@ -51,7 +53,7 @@ __all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "layouts", "stage_levels"]
 FUSE_MODES = ("none", "host", "chain", "chain+host", "all")  # rule 5's order in a level
 # where a tiled stage's output lives: stored on the device, fused into its readers, or
 # stored in host memory
-OUTPUTS = ("device", "fused", "host")
+OUTPUTS = tuple(o.value for o in TiledOutput)
 
 
 @dataclass(frozen=True)
@@ -167,12 +169,12 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
                              for e, top in zip(edges, top_edges))
                 rd = readers[s]
                 inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
-                output = "device"
+                output = TiledOutput.DEVICE
                 chain = fuse.startswith("chain") and len(rd) == 1
                 if inner and (fuse == "all" or chain):
-                    output = "fused"
+                    output = TiledOutput.FUSED
                 elif inner and fuse.endswith("host"):
-                    output = "host"
+                    output = TiledOutput.HOST
                 tiled[s] = (size, output)  # type: ignore[assignment]
             key = tuple(sorted(tiled.items()))
             if key in seen:  # e.g. "chain" equal to "none" on this graph

@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat3d.decisions import Decision
+from remat3d.instrument.state import is_recomputing, register_module_names
 from remat3d.planspec import Plan, PlanError, Region
 from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
 from remat3d.runtime.region import RegionStats, _checkpoint
-from remat3d.runtime.state import is_recomputing, register_module_names
 
 __all__ = ["AppliedPlan", "applied_state", "apply", "model_fingerprint", "model_signature",
            "remove"]
@@ -306,12 +307,12 @@ class _PlannedForward:
     def _run(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         state = self.state
         stats = state.stats[region.label]
-        if region.decision == "tile":
+        if region.decision == Decision.TILE:
             return self._tile(region, fn, args, kwargs)
         from remat3d.runtime.tiling.fused import materialize  # here: nn imports runtime modules
 
         args, kwargs = materialize((args, kwargs))
-        if region.decision == "recompute":
+        if region.decision == Decision.RECOMPUTE:
             calls_at_start = dict(state.calls)
 
             def replay_calls() -> None:
@@ -325,7 +326,7 @@ class _PlannedForward:
             stats.forward_runs += 1
         state.group += 1
         hooks = OffloadHooks(
-            offload=region.decision == "offload",
+            offload=region.decision == Decision.OFFLOAD,
             storage_dtype=_dtype(region.storage_dtype),
             min_bytes=state.plan.offload_min_bytes,
             usage=state.host, stats=None if is_recomputing() else stats,

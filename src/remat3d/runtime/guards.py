@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 from remat3d.errors import RecomputeDivergedError
-from remat3d.runtime.state import module_name
+from remat3d.instrument.state import module_name
 from remat3d.units import format_shape
 
 __all__ = [

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from remat3d.errors import InPlaceInputError, Remat3dError
 from remat3d.instrument.amp import MetaAutocast, active_meta_autocast
 from remat3d.instrument.ledger import unique_storage_bytes
+from remat3d.instrument.state import enter_recompute, exit_recompute, is_recomputing
 from remat3d.runtime.guards import (
     BufferGuard,
     ModuleStack,
@@ -30,7 +31,6 @@ from remat3d.runtime.guards import (
     RecomputeOverwritten,
 )
 from remat3d.runtime.policies import resolve_policy, selective_contexts
-from remat3d.runtime.state import enter_recompute, exit_recompute, is_recomputing
 
 __all__ = ["InPlaceInputError", "RegionStats", "checkpoint"]
 

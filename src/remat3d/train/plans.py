@@ -126,7 +126,8 @@ class StepPlans:
             self.say(f"plan for {format_shape(shape)} ({s.strategy}): budget "
                      f"{format_bytes(budget)} = {format_bytes(extra)} optimizer state"
                      f" + {format_bytes(budget - extra)} for the step; {len(plan.regions)} "
-                     f"regions; verified peak {format_bytes((plan.verified_peak_bytes or 0) + extra)}"
+                     "regions; verified peak "
+                     f"{format_bytes((plan.verified_peak_bytes or 0) + extra)}"
                      f" (unplanned {format_bytes(unplanned + extra)}); recompute "
                      f"{(plan.recompute_flops or 0) / 1e9:.2f} GFLOP; planned in "
                      f"{time.perf_counter() - started:.1f} s")

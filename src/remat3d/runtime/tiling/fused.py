@@ -185,7 +185,7 @@ def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
     """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` on ``device`` (with
     its output in host memory: ``host``); its shape and dtype come from a trace on fake
     tensors (no memory, no compute)."""
-    from remat3d.runtime.state import recomputing
+    from remat3d.instrument.state import recomputing
     from remat3d.runtime.tiling.trace import TilingError, trace
 
     device = device if device is not None else compute_device(fn, inputs)

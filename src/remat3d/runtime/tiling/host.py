@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from remat3d.instrument.state import placement
 from remat3d.instrument.step import model_device
-from remat3d.runtime.state import placement
 
 __all__ = ["add_into_host", "compute_device", "host_empty", "host_zeros_like", "is_host",
            "mark_host", "to_device"]

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
+from remat3d.instrument.state import recomputing
 from remat3d.instrument.step import meta_copy
-from remat3d.runtime.state import recomputing
 from remat3d.runtime.tiling.trace import TilingError, trace
 
 __all__ = ["tileable"]

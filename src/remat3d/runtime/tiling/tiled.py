@@ -40,9 +40,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
-from remat3d.nn.replay import AmpState
+from remat3d.instrument.state import recomputing
 from remat3d.runtime.guards import BufferGuard, ModuleStack
-from remat3d.runtime.state import recomputing
+from remat3d.runtime.replay import AmpState
 from remat3d.runtime.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
 from remat3d.runtime.tiling.host import (
     add_into_host,
