@@ -21,10 +21,11 @@ from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.searching import Measured, Problem, extra_cost, search
-from remat3d.planner.stages import build_stages
+from remat3d.planner.stages import StageModel, build_stages
 from remat3d.planspec import Plan
 from remat3d.profiling import profile
-from remat3d.runtime.apply import apply, model_fingerprint, model_signature
+from remat3d.runtime.apply import apply
+from remat3d.runtime.fingerprint import model_fingerprint, model_signature
 from remat3d.runtime.region import InPlaceInputError
 from remat3d.units import parse_bytes
 
@@ -113,7 +114,7 @@ def plan(
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes, amp, budget, strategy,
     offload, tile, loss function, deterministic-algorithms mode, host budget): see
-    :func:`remat3d.runtime.apply.model_signature`.
+    :func:`remat3d.runtime.fingerprint.model_signature`.
 
     >>> import torch, remat3d
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1),
@@ -124,11 +125,8 @@ def plan(
     True
     """
     shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x) for x in inputs]
-    # deterministic algorithms change which kernels (and temporaries) some ops use on meta;
-    # the loss function is part of the step (by identity: a new function plans again)
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
-    key = (model_signature(model), tuple(shapes), amp, budget, strategy, offload, tile,
-           torch.are_deterministic_algorithms_enabled(), loss_fn, host_bytes)
+    key = _cache_key(model, shapes, amp, budget, strategy, offload, tile, loss_fn, host_bytes)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
@@ -140,17 +138,7 @@ def plan(
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes)
 
-    def verifier(candidate: Plan) -> Measured:
-        try:
-            return _verify(model, shapes, candidate, amp, loss_fn)
-        except InPlaceInputError as exc:
-            raise Remat3dError(f"Plan could not be verified: {exc}") from exc
-
-    def tileable() -> list[bool]:
-        from remat3d.runtime.tiling.probe import tileable as probe
-
-        return probe(model, shapes, amp, [(st.name, st.call_index) for st in stages.stages])
-
+    verifier, tileable = _torch_side(model, shapes, amp, loss_fn, stages)
     chosen = search(Problem(
         stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
         options=PlannerOptions(offload=offload), header=header,
@@ -163,6 +151,34 @@ def plan(
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return chosen
+
+
+def _torch_side(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
+                loss_fn: Callable[[Any], torch.Tensor] | None, stages: StageModel
+                ) -> tuple[Callable[[Plan], Measured], Callable[[], list[bool]]]:
+    """What the pure search asks of torch: a verifier (each candidate replayed on a meta
+    copy under the tracker) and which stages can run tiled (probed only when asked)."""
+    def verifier(candidate: Plan) -> Measured:
+        try:
+            return _verify(model, shapes, candidate, amp, loss_fn)
+        except InPlaceInputError as exc:
+            raise Remat3dError(f"Plan could not be verified: {exc}") from exc
+
+    def tileable() -> list[bool]:
+        from remat3d.runtime.tiling.probe import tileable as probe
+
+        return probe(model, shapes, amp, [(st.name, st.call_index) for st in stages.stages])
+
+    return verifier, tileable
+
+
+def _cache_key(model: nn.Module, shapes: list[tuple[int, ...]], *settings: Any) -> tuple:
+    """What a cached plan must have been made for: the model's signature, the shapes, the
+    call's settings, and the deterministic-algorithms switch (it changes which kernels,
+    and temporaries, some ops use on meta). The loss function is among the settings, by
+    identity: a new function plans again."""
+    return (model_signature(model), tuple(shapes), *settings[:5],
+            torch.are_deterministic_algorithms_enabled(), *settings[5:])
 
 
 def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:

@@ -11,7 +11,7 @@ from torch import nn
 import remat3d
 from remat3d import Plan, Region
 from remat3d.planspec import PlanError
-from remat3d.runtime.apply import model_fingerprint
+from remat3d.runtime.fingerprint import model_fingerprint
 
 from .exactness import assert_exact, train_step
 from .torture import Torture

@@ -24,7 +24,7 @@ from remat3d import zoo
 from remat3d.errors import InfeasibleBudgetError, Remat3dError
 from remat3d.planning import plan
 from remat3d.planspec import Plan
-from remat3d.runtime.apply import model_signature
+from remat3d.runtime.fingerprint import model_signature
 
 __all__ = [
     "Planned",

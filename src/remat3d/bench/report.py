@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from remat3d.bench.plots import headline_methods
 from remat3d.bench.records import Record, machine_info, now, versions_info
@@ -56,8 +57,22 @@ def equal_peak_rows(recs: list[Record]) -> list[dict]:
 
 def render_report(records: list[Record], *, suite: str, command: str, seconds: float,
                   plots: list[Path]) -> str:
+    """The markdown report: header, headline peaks, equal-peak comparisons, CPU steps,
+    notes and plots."""
+    meta = _cases(records, "meta")
+    lines = _header(suite, command, seconds)
+    lines += _headline(meta)
+    lines += _equal_peak(meta)
+    lines += _cpu_steps(_cases(records, "cpu"))
+    lines += _notes(records)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _header(suite: str, command: str, seconds: float) -> list[str]:
     machine, versions = machine_info(), versions_info()
-    lines = [
+    return [
         f"# remat3d bench: suite `{suite}`",
         "",
         f"Generated {now()} by `{command or 'remat3d bench'}` in {seconds / 60:.1f} min on "
@@ -74,7 +89,10 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
         "unfused, and its peak is that execution's. Full records: `results.json`."),
         "",
     ]
-    meta = _cases(records, "meta")
+
+
+def _headline(meta: dict[Any, list[Record]]) -> list[str]:
+    lines: list[str] = []
     lines += ["## Headline: peak per method", ""]
     for key, recs in meta.items():
         rows = headline_methods(recs)
@@ -91,7 +109,11 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
                          f"{'—' if rel is None else f'{rel:.2f}x'} | "
                          f"{_pct(r.recompute_ratio)} | {plan_s} |")
         lines.append("")
+    return lines
 
+
+def _equal_peak(meta: dict[Any, list[Record]]) -> list[str]:
+    lines: list[str] = []
     sweeps = {k: v for k, v in meta.items() if equal_peak_rows(v)}
     if sweeps:
         lines += ["## Equal peak: remat3d optimal against each baseline", "",
@@ -125,8 +147,11 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
                                  f"{_bytes(r.peak_bytes) if r.status == 'ok' else r.status}"
                                  f" | {_pct(r.recompute_ratio)} | {plan_s} |")
             lines.append("")
+    return lines
 
-    cpu = _cases(records, "cpu")
+
+def _cpu_steps(cpu: dict[Any, list[Record]]) -> list[str]:
+    lines: list[str] = []
     if cpu:
         lines += ["## Real CPU steps: time and exactness", "",
                   ("fp32; step time is the median over interleaved rounds of the method's "
@@ -145,7 +170,11 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
                              f"{_pct(r.recompute_ratio)} | {ratio} | {r.grads_equal} | "
                              f"{r.buffers_equal} |")
             lines.append("")
+    return lines
 
+
+def _notes(records: list[Record]) -> list[str]:
+    lines: list[str] = []
     notes = [r for r in records
              if r.status != "ok" or (r.method == "compile" and r.note != "aot_eager")]
     if notes:
@@ -157,9 +186,7 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
                 seen.add(text)
                 lines.append(f"- {text}")
         lines.append("")
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(records: list[Record], out: Path, *, suite: str, command: str,

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from remat3d.errors import Remat3dError
-from remat3d.instrument.step import StepSetup, _forward_loss, _preserved_state
+from remat3d.instrument.step import StepSetup, forward_loss, preserved_state
 
 __all__ = ["AllocatorMeasure", "allocator_measure"]
 
@@ -57,14 +57,14 @@ def allocator_measure(setup: StepSetup) -> AllocatorMeasure:
         raise Remat3dError(
             f"The allocator reference runs on CPU only; this step is on {setup.device}."
         )
-    with _preserved_state(setup):
+    with preserved_state(setup):
         for p in setup.model.parameters():
             p.grad = None
         tensors: list[Any] = [*setup.model.parameters(), *setup.model.buffers()]
         tensors += [x for x in setup.inputs if isinstance(x, torch.Tensor)]
         resident = _resident_bytes(tensors)
         with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            _forward_loss(setup).backward()
+            forward_loss(setup).backward()
     events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
     allocations = sorted(
         (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"

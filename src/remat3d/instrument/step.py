@@ -31,8 +31,8 @@ from remat3d.errors import Remat3dError
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.tracker import MemoryTracker, normalize_device
 
-__all__ = ["StepSetup", "default_loss", "meta_copy", "prepare_step", "run_step",
-           "tracked_forward_backward"]
+__all__ = ["StepSetup", "default_loss", "forward_loss", "meta_copy", "prepare_step",
+           "preserved_state", "run_step", "tracked_forward_backward"]
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -135,7 +135,7 @@ def prepare_step(
 
 
 @contextlib.contextmanager
-def _preserved_state(setup: StepSetup) -> Iterator[None]:
+def preserved_state(setup: StepSetup) -> Iterator[None]:
     """Restore buffers, grads and RNG of the caller's model after an in-place step."""
     if not setup.in_place:
         yield
@@ -166,7 +166,7 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager:
     return torch.autocast(torch.device(setup.device).type, dtype=setup.amp)
 
 
-def _forward_loss(setup: StepSetup) -> torch.Tensor:
+def forward_loss(setup: StepSetup) -> torch.Tensor:
     with _autocast(setup):
         output = setup.model(*setup.inputs)
         try:
@@ -192,7 +192,7 @@ def tracked_forward_backward(setup: StepSetup, tracker: MemoryTracker) -> None:
     """Forward, loss and backward under ``tracker``, marking where forward ends (what is
     alive then is what autograd saved) and that the ops after it are backward's."""
     with tracker:
-        loss = _forward_loss(setup)
+        loss = forward_loss(setup)
         tracker.mark_forward_end()
         tracker.phase = "backward"
         loss.backward()
@@ -202,7 +202,7 @@ def tracked_forward_backward(setup: StepSetup, tracker: MemoryTracker) -> None:
 def run_step(setup: StepSetup, *, time_ops: bool = False) -> MemoryTracker:
     """Run one instrumented training step; return the tracker holding what it saw."""
     tracker = MemoryTracker(setup.device, setup.model, time_ops=time_ops)
-    with _preserved_state(setup):
+    with preserved_state(setup):
         for p in setup.model.parameters():
             p.grad = None
         try:
@@ -221,13 +221,13 @@ def time_step(setup: StepSetup, repeats: int = 1) -> float:
     sync = setup.device.startswith("cuda")
     times = []
     for _ in range(repeats):
-        with _preserved_state(setup):
+        with preserved_state(setup):
             for p in setup.model.parameters():
                 p.grad = None
             if sync:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            _forward_loss(setup).backward()
+            forward_loss(setup).backward()
             if sync:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)

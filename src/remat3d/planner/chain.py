@@ -138,6 +138,10 @@ def solve_chain(chain: Chain, budget: int,
     made of allowed regions (e.g. those the module tree can express). Tables are numpy
     arrays over the memory left, so the work is ``O(n^3)`` vector operations of length
     ``budget``.
+
+    NOTE [ One function ]: the recurrence, its tables and the backtracking share the same
+    local arrays (``cost``, ``choice``, the shifted memory axis); split apart, every part
+    would take all of them as arguments, so the DP stays one function.
     """
     n = chain.n
     if n == 0:

@@ -155,28 +155,7 @@ def build_stages(graph: CostGraph) -> StageModel:
         running += glue_at[s]
         glue_saved.append(running)
 
-    stages: list[Stage] = []
-    for i, h in enumerate(heads):
-        node = graph.nodes[h]
-        members = _subtree(graph, node)
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        input_bytes = 0
-        for e in graph.edges:
-            if e.dst in members and e.src not in members:
-                key = (e.src, tuple(e.shape))
-                if key not in seen:
-                    seen.add(key)
-                    input_bytes += e.bytes
-        stages.append(Stage(
-            index=i, node=h, name=node.name, call_index=node.call_index,
-            saved_bytes=node.saved_bytes, input_bytes=input_bytes,
-            output_bytes=node.output_bytes, fwd_flops=node.fwd_flops,
-            fwd_delta=node.fwd_peak_delta_bytes, bwd_delta=node.bwd_peak_delta_bytes,
-            param_bytes=sum(graph.nodes[k].param_bytes for k in members),
-            is_block=h in block_ids,
-            heavy_bytes=sum(graph.nodes[k].output_bytes for k in members
-                            if graph.nodes[k].self_fwd_flops and graph.nodes[k].is_leaf),
-        ))
+    stages = [_stage(graph, i, h, h in block_ids) for i, h in enumerate(heads)]
 
     pending = [0] * len(stages)
     for e in graph.edges:
@@ -198,6 +177,39 @@ def build_stages(graph: CostGraph) -> StageModel:
         glue_saved=glue_saved, pending=pending, grads_after=grads_after,
     )
     model.unplanned_peak = graph.peak_bytes
+    _nesting(graph, model, inside, heads)
+    return model
+
+
+def _stage(graph: CostGraph, index: int, head: int, is_block: bool) -> Stage:
+    """The stage whose module is node ``head``, with its measured terms."""
+    node = graph.nodes[head]
+    members = _subtree(graph, node)
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    input_bytes = 0
+    for e in graph.edges:
+        if e.dst in members and e.src not in members:
+            key = (e.src, tuple(e.shape))
+            if key not in seen:
+                seen.add(key)
+                input_bytes += e.bytes
+    return Stage(
+        index=index, node=head, name=node.name, call_index=node.call_index,
+        saved_bytes=node.saved_bytes, input_bytes=input_bytes,
+        output_bytes=node.output_bytes, fwd_flops=node.fwd_flops,
+        fwd_delta=node.fwd_peak_delta_bytes, bwd_delta=node.bwd_peak_delta_bytes,
+        param_bytes=sum(graph.nodes[k].param_bytes for k in members),
+        is_block=is_block,
+        heavy_bytes=sum(graph.nodes[k].output_bytes for k in members
+                        if graph.nodes[k].self_fwd_flops and graph.nodes[k].is_leaf),
+    )
+
+
+def _nesting(graph: CostGraph, model: StageModel, inside: dict[int, int],
+             heads: list[int]) -> None:
+    """The regions above stages: containers covering two or more stages, and the runs of
+    children of every ``nn.Sequential`` (nested plans are made of them)."""
+    position = {h: i for i, h in enumerate(heads)}
     for n in graph.nodes:
         if n.id in inside or n.parent is None:
             continue
@@ -214,4 +226,3 @@ def build_stages(graph: CostGraph) -> StageModel:
             local = child.name[len(n.name) + 1:] if n.name else child.name
             children.append((local, [position[h] for h in heads if h in members]))
         model.sequences.append((n.name, n.call_index, children))
-    return model

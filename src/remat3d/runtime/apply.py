@@ -16,7 +16,6 @@ NOTE [ Installing a plan without changing the model ]
 from __future__ import annotations
 
 import difflib
-import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,42 +27,14 @@ from torch import nn
 from remat3d.decisions import Decision
 from remat3d.instrument.state import is_recomputing, register_module_names
 from remat3d.planspec import Plan, PlanError, Region
+from remat3d.runtime.fingerprint import model_fingerprint
 from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
-from remat3d.runtime.region import RegionStats, _checkpoint
+from remat3d.runtime.region import RegionStats, checkpoint_region
 
-__all__ = ["AppliedPlan", "applied_state", "apply", "model_fingerprint", "model_signature",
-           "remove"]
+__all__ = ["AppliedPlan", "applied_state", "apply", "remove"]
 
 _STATE_ATTR = "_remat3d_applied"
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A short hash of the module tree: names, types and parameter shapes."""
-    digest = hashlib.sha256()
-    for name, module in model.named_modules():
-        digest.update(f"{name}:{type(module).__name__};".encode())
-        for pname, p in module.named_parameters(recurse=False):
-            digest.update(f"{pname}{tuple(p.shape)};".encode())
-    return digest.hexdigest()[:16]
-
-
-def model_signature(model: nn.Module) -> str:
-    """:func:`model_fingerprint` plus what a training step's memory also depends on: each
-    module's settings (its ``extra_repr``: stride, padding, ...), training mode, parameter
-    dtypes and which parameters require grad, buffer shapes and dtypes.
-
-    Plans are cached by it (``remat3d.plan``). ``apply`` checks only the fingerprint: a
-    plan still applies to a model whose layers were frozen after planning.
-    """
-    digest = hashlib.sha256(model_fingerprint(model).encode())
-    for name, module in model.named_modules():
-        digest.update(f"{name}:{module.extra_repr()}:{module.training};".encode())
-        for pname, p in module.named_parameters(recurse=False):
-            digest.update(f"{pname}:{p.dtype}:{p.requires_grad};".encode())
-        for bname, b in module.named_buffers(recurse=False):
-            digest.update(f"{bname}:{tuple(b.shape)}:{b.dtype};".encode())
-    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -319,7 +290,7 @@ class _PlannedForward:
                 state.calls.clear()
                 state.calls.update(calls_at_start)
 
-            return _checkpoint(fn, args, kwargs, policy=region.policy,
+            return checkpoint_region(fn, args, kwargs, policy=region.policy,
                                name=region.label, stats=stats, on_recompute=replay_calls,
                                offload_min_bytes=state.plan.offload_min_bytes)
         if not is_recomputing():

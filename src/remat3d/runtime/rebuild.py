@@ -55,165 +55,30 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from remat3d.errors import StaleRebuildError
+from remat3d.runtime.recipe import (
+    Leaf,
+    Recipe,
+    StorageKey,
+    is_plain,
+    storage_key,
+    storage_nbytes,
+)
 
 __all__ = ["RebuildRecorder", "Rebuilt", "Recipe", "StaleRebuildError"]
 
 _UNINITIALISED = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
                   "empty_permuted")
 _MAX_DEPTH = 16  # replays stay short: a longer chain starts from a kept tensor
-_Key = tuple[int, tuple[int, ...], tuple[int, ...], int, torch.dtype]
-
-
-def _plain(t: Any) -> bool:
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
-
-
-def _key(t: torch.Tensor, version: int) -> _Key:
-    return (version, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-class _Leaf:
-    """A tensor a recipe starts from, with the version it had when the op read it."""
-
-    __slots__ = ("nbytes", "ref", "storage", "strong", "version")
-
-    def __init__(self, t: torch.Tensor, keep: bool) -> None:
-        self.version = t._version
-        self.nbytes = _nbytes(t)
-        self.storage = id(t.untyped_storage())
-        # the tensor itself: an alias made here, below autograd, would get its own version
-        # counter, and a later in-place write into ``t`` would go unnoticed (rule 4)
-        self.strong: torch.Tensor | None = t if keep else None
-        self.ref = weakref.ref(t) if not keep else None
-
-    def get(self) -> torch.Tensor | None:
-        if self.strong is not None:
-            return self.strong
-        assert self.ref is not None
-        return self.ref()
-
-
-class Recipe:
-    """One cheap op: how to compute its outputs again (NOTE rule 1)."""
-
-    __slots__ = ("__weakref__", "depth", "func", "last", "new_bytes", "order", "parents",
-                 "sequence", "sources", "spec")
-
-    def __init__(self, func: Any, spec: Any, sources: list[Any], sequence: int,
-                 new_bytes: int) -> None:
-        self.func = func
-        self.spec = spec  # the pytree of (args, kwargs)
-        self.sources = sources  # flat leaves: (Recipe, index) | _Leaf | constant
-        self.sequence = sequence  # when it ran in forward
-        self.new_bytes = new_bytes  # outputs not aliasing an input (views, in-place: 0)
-        self.order: list[Recipe] | None = None
-        self.last: dict[int, tuple[Any, int]] = {}  # output index -> (weakref, version)
-        # the recipes this one reads, once each (sources never change: found once here,
-        # not on every replay)
-        seen: dict[int, Recipe] = {}
-        for source in sources:
-            if isinstance(source, tuple) and isinstance(source[0], Recipe):
-                seen.setdefault(id(source[0]), source[0])
-        self.parents: tuple[Recipe, ...] = tuple(seen.values())
-        self.depth: int = 1 + max((p.depth for p in self.parents), default=0)
-
-    def chain(self) -> list[Recipe]:
-        """Every recipe this one needs, itself last, in forward order: an in-place op
-        then runs after everything that read the value it overwrites, as in forward."""
-        if self.order is None:
-            found: dict[int, Recipe] = {}
-            stack = list(self.parents)
-            while stack:
-                recipe = stack.pop()
-                if id(recipe) not in found:
-                    found[id(recipe)] = recipe
-                    stack += recipe.parents
-            # the ancestors only: a list holding the recipe itself would be a reference
-            # cycle, and the tensors its leaves hold would then live until Python's cyclic
-            # garbage collector happened to run (a peak that depended on when it did)
-            self.order = sorted(found.values(), key=lambda r: r.sequence)
-        return [*self.order, self]
-
-    def leaves(self) -> list[_Leaf]:
-        """Every leaf below this recipe, once each."""
-        found: dict[int, _Leaf] = {}
-        for recipe in self.chain():
-            for source in recipe.sources:
-                if isinstance(source, _Leaf):
-                    found.setdefault(id(source), source)
-        return list(found.values())
-
-    def replay_peak(self) -> int:
-        """Bytes the replay holds at once (rule 3 frees each value after its last use)."""
-        uses = _uses(self.chain())
-        live = peak = 0
-        for recipe in self.chain():
-            live += recipe.new_bytes
-            peak = max(peak, live)
-            for parent in recipe.parents:
-                uses[id(parent)] -= 1
-                if uses[id(parent)] == 0:
-                    live -= parent.new_bytes
-        return peak
-
-    def run(self, held: dict[int, torch.Tensor]) -> Any:
-        """This op's outputs, replayed from the leaves ``held`` (by id of their
-        :class:`_Leaf`), each intermediate freed after its last use (NOTE rule 3)."""
-        order = self.chain()
-        uses = _uses(order)
-        values: dict[int, list[Any]] = {}
-        out: Any = None
-        for recipe in order:
-            flat = []
-            for source in recipe.sources:
-                if isinstance(source, tuple) and isinstance(source[0], Recipe):
-                    flat.append(values[id(source[0])][source[1]])
-                elif isinstance(source, _Leaf):
-                    flat.append(_leaf_value(source, held.get(id(source)), recipe.func))
-                else:
-                    flat.append(source)
-            args, kwargs = tree_unflatten(flat, recipe.spec)
-            out = recipe.func(*args, **kwargs)
-            values[id(recipe)] = tree_flatten(out)[0]
-            for parent in recipe.parents:
-                uses[id(parent)] -= 1
-                if uses[id(parent)] == 0:
-                    del values[id(parent)]
-        return out
-
-
-def _uses(order: list[Recipe]) -> dict[int, int]:
-    uses = {id(r): 0 for r in order}
-    uses[id(order[-1])] = 1  # the result itself
-    for recipe in order:
-        for parent in recipe.parents:
-            uses[id(parent)] += 1
-    return uses
-
-
-def _leaf_value(leaf: _Leaf, t: torch.Tensor | None, func: Any) -> torch.Tensor:
-    if t is None or t._version != leaf.version:
-        raise StaleRebuildError(
-            f"A tensor that remat3d rebuilds a saved activation from (the input of "
-            f"{func}) was modified in place, or freed, before the backward used it. "
-            "Remove the in-place op, or apply the plan with Plan(rebuild_saved=False).")
-    return t
-
-
 class Rebuilt:
     """What is saved instead of a tensor: the recipe that rebuilds it (NOTE rule 2)."""
 
     __slots__ = ("__weakref__", "held", "index", "pinned", "recipe")
 
-    def __init__(self, recipe: Recipe, index: int, leaves: list[_Leaf]) -> None:
+    def __init__(self, recipe: Recipe, index: int, leaves: list[Leaf]) -> None:
         self.recipe = recipe
         self.index = index
         # hold every leaf from now on (rule 2); the tensors themselves, whose version
@@ -272,7 +137,7 @@ def _cheap(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         if info is not None and info.is_write and i != 0:
             return False
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-    if not tensors or not all(_plain(t) for t in tensors):
+    if not tensors or not all(is_plain(t) for t in tensors):
         return False
     device = tensors[0].device
     return all(t.device == device for t in tensors)
@@ -284,12 +149,12 @@ class RebuildRecorder(TorchDispatchMode):
     def __init__(self, kept: Callable[[int], bool]) -> None:
         super().__init__()
         self._kept = kept  # storage id -> saved already (or a parameter/buffer)
-        self._table: dict[int, tuple[Any, dict[_Key, tuple[Recipe, int]]]] = {}
+        self._table: dict[int, tuple[Any, dict[StorageKey, tuple[Recipe, int]]]] = {}
         self._finalizers: list[weakref.finalize] = []
         self._sequence = 0
         # storage id -> (the storage, recipes saved in place of a tensor of it) (rule 5)
         self._packed: dict[int, tuple[weakref.ref[Any],
-                                      list[tuple[weakref.ref[Rebuilt], _Key]]]] = {}
+                                      list[tuple[weakref.ref[Rebuilt], StorageKey]]]] = {}
 
     def __exit__(self, *exc: object) -> None:
         # forward is over: saved recipes hold what they need; forget the rest (storages
@@ -322,7 +187,7 @@ class RebuildRecorder(TorchDispatchMode):
             for ref, key in packed:
                 rebuilt = ref()
                 if rebuilt is not None:
-                    rebuilt.pin(t if _key(t, key[0]) == key else
+                    rebuilt.pin(t if storage_key(t, key[0]) == key else
                                 t.as_strided(key[1], key[2], key[3]))
 
     def _lookup(self, t: torch.Tensor, version: int) -> tuple[Recipe, int] | None:
@@ -330,14 +195,14 @@ class RebuildRecorder(TorchDispatchMode):
         entry = self._table.get(id(storage))
         if entry is None or entry[0]() is not storage:
             return None
-        return entry[1].get(_key(t, version))
+        return entry[1].get(storage_key(t, version))
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         schema = func._schema
         inplace = bool(schema.arguments) and schema.arguments[0].alias_info is not None \
             and schema.arguments[0].alias_info.is_write
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        largest = max(_nbytes(t) for t in outputs)
+        largest = max(storage_nbytes(t) for t in outputs)
         flat, spec = tree_flatten((args, kwargs))
         sources: list[Any] = []
         for i, value in enumerate(flat):
@@ -352,9 +217,9 @@ class RebuildRecorder(TorchDispatchMode):
             elif inplace and i == 0:
                 return  # an in-place op on a tensor we cannot rebuild
             else:
-                sources.append(_Leaf(value, keep=4 * _nbytes(value) <= largest))
+                sources.append(Leaf(value, keep=4 * storage_nbytes(value) <= largest))
         inputs = {id(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
-        new_bytes = sum(_nbytes(t) for t in {id(t.untyped_storage()): t for t in outputs
+        new_bytes = sum(storage_nbytes(t) for t in {id(t.untyped_storage()): t for t in outputs
                                              if id(t.untyped_storage()) not in inputs
                                              }.values())
         self._sequence += 1
@@ -371,12 +236,12 @@ class RebuildRecorder(TorchDispatchMode):
                 entry = (weakref.ref(storage), {})
                 self._table[key] = entry
                 self._finalizers.append(weakref.finalize(storage, self._table.pop, key, None))
-            entry[1][_key(t, version)] = (recipe, index)
+            entry[1][storage_key(t, version)] = (recipe, index)
 
     def rebuilt(self, t: torch.Tensor) -> Rebuilt | None:
         """The recipe to save instead of ``t``, if it keeps at most half of ``t``'s bytes
         alive that would not be alive anyway (NOTE rule 2)."""
-        if not _plain(t) or t.numel() * t.element_size() != _nbytes(t):
+        if not is_plain(t) or t.numel() * t.element_size() != storage_nbytes(t):
             return None  # (a slice frees nothing while its base lives)
         found = self._lookup(t, t._version)
         if found is None:
@@ -391,7 +256,7 @@ class RebuildRecorder(TorchDispatchMode):
             if leaf.storage not in counted and not self._kept(leaf.storage):
                 counted.add(leaf.storage)
                 cost += leaf.nbytes
-        if 2 * cost > _nbytes(t) or recipe.replay_peak() > 3 * _nbytes(t):
+        if 2 * cost > storage_nbytes(t) or recipe.replay_peak() > 3 * storage_nbytes(t):
             return None
         rebuilt = Rebuilt(recipe, index, leaves)
         # autograd saves an op's inputs before the op runs: one that then writes into
@@ -401,5 +266,5 @@ class RebuildRecorder(TorchDispatchMode):
         if owner is None or owner() is not storage:
             packed = []
             self._packed[id(storage)] = (weakref.ref(storage), packed)
-        packed.append((weakref.ref(rebuilt), _key(t, t._version)))
+        packed.append((weakref.ref(rebuilt), storage_key(t, t._version)))
         return rebuilt

@@ -32,7 +32,7 @@ from remat3d.runtime.guards import (
 )
 from remat3d.runtime.policies import resolve_policy, selective_contexts
 
-__all__ = ["InPlaceInputError", "RegionStats", "checkpoint"]
+__all__ = ["InPlaceInputError", "RegionStats", "checkpoint", "checkpoint_region"]
 
 
 @dataclass
@@ -169,15 +169,16 @@ def checkpoint(
     >>> int(block[1].num_batches_tracked)
     1
     """
-    return _checkpoint(fn, args, kwargs, policy=policy, offload=offload,
+    return checkpoint_region(fn, args, kwargs, policy=policy, offload=offload,
                        determinism_check=determinism_check, name=name)
 
 
-def _checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, *, policy: Any = None,
-                offload: bool = False, determinism_check: bool = True,
-                name: str | None = None, stats: RegionStats | None = None,
-                on_recompute: Callable[[], Any] | None = None,
-                offload_min_bytes: int = 1 << 20) -> Any:
+def checkpoint_region(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
+                      policy: Any = None, offload: bool = False,
+                      determinism_check: bool = True, name: str | None = None,
+                      stats: RegionStats | None = None,
+                      on_recompute: Callable[[], Any] | None = None,
+                      offload_min_bytes: int = 1 << 20) -> Any:
     label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
     region = _Region(fn, label, policy, determinism_check, stats, on_recompute)
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

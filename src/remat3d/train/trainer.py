@@ -152,7 +152,7 @@ class Trainer(StepPlans, Steps, Validation, Fitting):
             if self.world.mode == "fsdp":
                 # FSDP2 renames the classes it shards (UNet -> FSDPUNet); the module tree and
                 # parameters the plans were verified on are unchanged: re-stamp copies
-                from remat3d.runtime.apply import model_fingerprint
+                from remat3d.runtime.fingerprint import model_fingerprint
 
                 stamp = model_fingerprint(self.model)
                 for key, plan in self.plans.items():

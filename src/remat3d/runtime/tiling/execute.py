@@ -48,7 +48,8 @@ from remat3d.halo import (
     interpolate_input_interval,
     region_size,
 )
-from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp, bind, func_name
+from remat3d.runtime.tiling.signatures import bind, func_name
+from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp
 
 __all__ = ["REGION", "StopPass", "crop", "region_of"]
 

@@ -30,77 +30,20 @@ from remat3d.halo import (
     SpatialOp,
 )
 from remat3d.runtime.guards import BufferGuard, ModuleStack
+from remat3d.runtime.tiling.signatures import (
+    DIM_OPS,
+    DROPOUT,
+    REFUSED,
+    SCALAR_READS,
+    SHAPE_OPS,
+    bind,
+    func_name,
+)
 
-__all__ = ["NormSpec", "TilingError", "Trace", "TracedOp", "bind", "func_name", "trace"]
+__all__ = ["NormSpec", "TilingError", "Trace", "TracedOp", "trace"]
 
 _NODE = "_remat3d_tile_node"
 _INNER = "_remat3d_tile_inner"
-
-
-# argument names of the calls the executor rewrites, in positional order
-SIGNATURES: dict[str, tuple[str, ...]] = {
-    "conv3d": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
-    "conv_transpose3d": ("input", "weight", "bias", "stride", "padding", "output_padding",
-                         "groups", "dilation"),
-    "max_pool3d": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode",
-                   "return_indices"),
-    "avg_pool3d": ("input", "kernel_size", "stride", "padding", "ceil_mode",
-                   "count_include_pad", "divisor_override"),
-    "interpolate": ("input", "size", "scale_factor", "mode", "align_corners",
-                    "recompute_scale_factor", "antialias"),
-    "instance_norm": ("input", "running_mean", "running_var", "weight", "bias",
-                      "use_input_stats", "momentum", "eps"),
-    "group_norm": ("input", "num_groups", "weight", "bias", "eps"),
-    "batch_norm": ("input", "running_mean", "running_var", "weight", "bias", "training",
-                   "momentum", "eps"),
-}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "conv3d": {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    "conv_transpose3d": {"bias": None, "stride": 1, "padding": 0, "output_padding": 0,
-                         "groups": 1, "dilation": 1},
-    "max_pool3d": {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
-                   "return_indices": False},
-    "avg_pool3d": {"stride": None, "padding": 0, "ceil_mode": False,
-                   "count_include_pad": True, "divisor_override": None},
-    "interpolate": {"size": None, "scale_factor": None, "mode": "nearest",
-                    "align_corners": None, "recompute_scale_factor": None,
-                    "antialias": False},
-    "instance_norm": {"running_mean": None, "running_var": None, "weight": None,
-                      "bias": None, "use_input_stats": True, "momentum": 0.1, "eps": 1e-5},
-    "group_norm": {"weight": None, "bias": None, "eps": 1e-5},
-    "batch_norm": {"weight": None, "bias": None, "training": False, "momentum": 0.1,
-                   "eps": 1e-5},
-}
-_DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                      "feature_alpha_dropout"})
-# ops whose result mixes voxels along a dimension named by an argument
-_DIM_OPS = frozenset({"softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax",
-                      "cummin", "sort", "argsort", "flip", "roll", "narrow", "select",
-                      "index_select", "gather", "scatter", "logcumsumexp", "diff"})
-# ops that may move voxels without changing the shape: allowed only as exact no-ops
-_SHAPE_OPS = frozenset({"permute", "transpose", "movedim", "moveaxis", "swapaxes",
-                        "swapdims", "view", "reshape", "flatten", "unflatten", "expand",
-                        "repeat", "tile", "rot90", "fliplr", "flipud", "t", "pixel_shuffle",
-                        "pixel_unshuffle", "unfold", "fold", "as_strided"})
-_SCALAR_READS = frozenset({"__float__", "__int__", "__bool__", "__index__", "item",
-                           "tolist"})
-_REFUSED = frozenset({"pad", "layer_norm", "local_response_norm", "grid_sample",
-                      "adaptive_avg_pool3d", "adaptive_max_pool3d", "lp_pool3d",
-                      "fractional_max_pool3d", "max_unpool3d", "rms_norm"})
-
-
-def func_name(func: Callable[..., Any]) -> str:
-    name = getattr(func, "__name__", None) or str(func)
-    return "max_pool3d" if name in ("_max_pool3d", "max_pool3d_with_indices") else name
-
-
-def bind(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The arguments of a call by name (``SIGNATURES``), defaults filled in."""
-    names = SIGNATURES[name]
-    bound = dict(_DEFAULTS.get(name, {}))
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
 
 
 def _triple(value: Any, default: Any = None) -> tuple[int, ...]:
@@ -184,7 +127,7 @@ class _Recorder(TorchFunctionMode):
         spatial = [t for t in tensors if getattr(t, _NODE, None) is not None]
         spatial_ids = {id(t) for t in spatial}
         name = func_name(func)
-        if name in _SCALAR_READS and not spatial and not any(
+        if name in SCALAR_READS and not spatial and not any(
                 isinstance(t, FakeTensor) for t in tensors):
             # a real buffer read as a number (BatchNorm's 1 / num_batches_tracked): read it
             # outside the fake mode, which cannot produce data-dependent values
@@ -246,10 +189,10 @@ class _Recorder(TorchFunctionMode):
             raise self.fail(name, f"padding by {list(amounts)} inside the run changes "
                             "positions", "Pad outside the tiled run, or use the padding "
                             "argument of the convolution.")
-        if name in _REFUSED:
+        if name in REFUSED:
             raise self.fail(name, "this op is not local or not supported in a tiled run",
                             "End the run before it, or keep it outside the tiled module.")
-        if name in _DROPOUT:
+        if name in DROPOUT:
             b = dict(zip(("input", "p", "training", "inplace"), args)) | kwargs
             if b.get("training", True) and float(b.get("p", 0.5)) > 0:
                 raise self.fail(name, f"dropout (p={b.get('p', 0.5)}) draws its mask for the "
@@ -301,7 +244,7 @@ class _Recorder(TorchFunctionMode):
                                    "request": b}
         if name in ("instance_norm", "group_norm", "batch_norm"):
             return "norm", {"norm": self.norm_spec(name, args, kwargs, spatial[0])}
-        if name in _DIM_OPS or name in _SHAPE_OPS:
+        if name in DIM_OPS or name in SHAPE_OPS:
             self.check_dims(name, args, kwargs, spatial[0])
         spatial_ids = {id(t) for t in spatial}
         for t in tensors:  # a full-size tensor from outside the run cannot be tiled
@@ -314,7 +257,7 @@ class _Recorder(TorchFunctionMode):
 
     def check_dims(self, name: str, args: Sequence[Any], kwargs: dict[str, Any],
                    x: torch.Tensor) -> None:
-        if name in _SHAPE_OPS:
+        if name in SHAPE_OPS:
             raise self.fail(name, "it may move voxels between positions",
                             "Keep reshapes and permutations outside tiled runs.")
         dims = kwargs.get("dim", kwargs.get("dims", args[1] if len(args) > 1 else None))
