@@ -8,6 +8,7 @@ tracker, and the list of stages that can run tiled (``runtime/tiling/probe.py``)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
@@ -129,7 +130,7 @@ def plan(
     key = _cache_key(model, shapes, amp, budget, strategy, offload, tile, loss_fn, host_bytes)
     if key in _CACHE:
         _CACHE.move_to_end(key)
-        return _CACHE[key]
+        return copy.deepcopy(_CACHE[key])  # the caller's own: editing it changes no cache
 
     prof = profile(model, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
     stages = build_stages(prof.graph)
@@ -150,7 +151,7 @@ def plan(
     _CACHE[key] = chosen
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
-    return chosen
+    return copy.deepcopy(chosen)
 
 
 def _torch_side(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
