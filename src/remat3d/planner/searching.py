@@ -21,7 +21,7 @@ NOTE [ The budget is a promise ]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,8 +30,13 @@ from remat3d.errors import InfeasibleBudgetError
 from remat3d.graph import CostGraph
 from remat3d.planner.optimal import min_peak
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
-from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, StageModel
-from remat3d.planner.tiled_plans import extra_cost, first_fitting_layout, prune_tiled
+from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
+from remat3d.planner.tiled_plans import (
+    extra_cost,
+    first_fitting_layout,
+    greedy_prune,
+    prune_tiled,
+)
 from remat3d.planner.tiling import layouts
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes, format_shape
@@ -316,12 +321,37 @@ class _Search:
         verified peak still fits and the recomputed FLOPs do not grow. Regions on
         containers and segments (nested plans) stay.
         """
-        stages = self.stages
-        by_name = {(st.name, st.call_index): st for st in stages.stages}
-        decisions: dict[tuple[str, int], str] = {}
+        by_name = {(st.name, st.call_index): st for st in self.stages.stages}
+        decisions = self._parse(best, by_name)[0]
+        order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
+                       if decisions[k] == RECOMPUTE else -by_name[k].saved_bytes)
+
+        def trials(key: tuple[str, int], current: Plan) -> Iterator[Plan]:
+            now, containers, segments = self._parse(current, by_name)
+            if key not in now:
+                return
+            for trial in ({k: v for k, v in now.items() if k != key},
+                          {**now, key: SELECTIVE} if now[key] == RECOMPUTE else None):
+                if trial is not None:
+                    yield self.build(Decisions(
+                        [trial.get((st.name, st.call_index), KEEP) for st in self.stages.stages],
+                        containers=containers, segments=segments))
+
+        def cheaper(candidate: Plan, current: Plan) -> bool:
+            return self.fits(candidate) and \
+                (candidate.recompute_flops or 0) <= (current.recompute_flops or 0)
+
+        return greedy_prune(best, order, trials, cheaper)
+
+    @staticmethod
+    def _parse(plan: Plan, by_name: dict[tuple[str, int], Stage]
+               ) -> tuple[dict[tuple[str, int], Decision], list[tuple[str, int]],
+                          list[tuple[str, int, list[str]]]]:
+        """A plan's regions back as stage decisions, containers and segments."""
+        decisions: dict[tuple[str, int], Decision] = {}
         containers: list[tuple[str, int]] = []
         segments: list[tuple[str, int, list[str]]] = []
-        for r in best.regions:
+        for r in plan.regions:
             key = (r.module, (r.calls or [0])[0])
             if r.segment:
                 segments.append((r.module, key[1], list(r.segment)))
@@ -329,24 +359,4 @@ class _Search:
                 containers.append(key)
             else:
                 decisions[key] = SELECTIVE if r.policy == SELECTIVE_POLICY else Decision(r.decision)
-        order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
-                       if decisions[k] == RECOMPUTE else -by_name[k].saved_bytes)
-
-        def attempt(trial: dict[tuple[str, int], str]) -> Plan | None:
-            candidate = self.build(Decisions([trial.get((st.name, st.call_index), KEEP)
-                                              for st in stages.stages],
-                                             containers=containers, segments=segments))
-            if self.fits(candidate) and \
-                    (candidate.recompute_flops or 0) <= (best.recompute_flops or 0):
-                return candidate
-            return None
-
-        for key in order:
-            dropped = {k: v for k, v in decisions.items() if k != key}
-            found = attempt(dropped)
-            if found is None and decisions[key] == RECOMPUTE:
-                dropped = {**decisions, key: SELECTIVE}
-                found = attempt(dropped)
-            if found is not None:
-                best, decisions = found, dropped
-        return best
+        return decisions, containers, segments

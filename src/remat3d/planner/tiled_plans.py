@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from remat3d.decisions import SELECTIVE_POLICY, Decision, TiledOutput
 from remat3d.errors import TilingError
@@ -19,11 +20,13 @@ from remat3d.planner.tiling import Layout
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
-__all__ = ["extra_cost", "first_fitting_layout", "layout_regions", "prune_tiled"]
+__all__ = ["extra_cost", "first_fitting_layout", "greedy_prune", "layout_regions",
+           "prune_tiled"]
 
 log = logging.getLogger(__name__)
 
 Check = Callable[[Plan], Plan]
+T = TypeVar("T")
 
 
 def extra_cost(p: Plan) -> int:
@@ -103,16 +106,34 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
     floor = (best.step_flops or 0) // 100
     recomputed = [(r, st) for r in best.regions
                   if (st := stage_of(r)) is not None and st.fwd_flops >= floor]
-    for region, st in sorted(recomputed, key=lambda pair: -pair[1].fwd_flops):
-        others = [r for r in best.regions if r is not region]
+
+    def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
+        region, st = step
+        others = [r for r in current.regions if r is not region]
         selective = dataclasses.replace(region, policy=SELECTIVE_POLICY)
-        for decision, trial in ((KEEP, others), (SELECTIVE, [*others, selective])):
-            slack = budget - (best.verified_peak_bytes or 0)
-            if st.kept(decision) - st.kept(RECOMPUTE) > slack:
-                continue
-            candidate = check(dataclasses.replace(best, regions=trial, notes=list(best.notes)))
-            if (candidate.verified_peak_bytes or 0) <= budget and \
-                    extra_cost(candidate) <= extra_cost(best):
+        for decision, regions in ((KEEP, others), (SELECTIVE, [*others, selective])):
+            slack = budget - (current.verified_peak_bytes or 0)
+            if st.kept(decision) - st.kept(RECOMPUTE) <= slack:
+                yield check(dataclasses.replace(current, regions=regions,
+                                                notes=list(current.notes)))
+
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        return (candidate.verified_peak_bytes or 0) <= budget and \
+            extra_cost(candidate) <= extra_cost(current)
+
+    return greedy_prune(best, sorted(recomputed, key=lambda pair: -pair[1].fwd_flops),
+                        trials, cheaper)
+
+
+def greedy_prune(best: Plan, steps: Iterable[T], trials: Callable[[T, Plan], Iterator[Plan]],
+                 cheaper: Callable[[Plan, Plan], bool]) -> Plan:
+    """Make ``best`` cheaper one verified step at a time: for each step (in the order
+    given: costliest first), the first of its trial plans (made from the current best, and
+    verified, one at a time: later ones only if earlier ones fail) that is ``cheaper``
+    replaces it. Both prunings (stage plans in the search, tiled plans here) are this."""
+    for step in steps:
+        for candidate in trials(step, best):
+            if cheaper(candidate, best):
                 best = candidate
                 break
     return best
