@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["plot_plan"]
+__all__ = ["plot_plan", "save_figure"]
 
 
 def plot_plan(
@@ -49,12 +50,20 @@ def plot_plan(
     right.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp.png")
+    save_figure(fig, Path(path), dpi=110)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 100) -> Path:
+    """Write ``fig`` as a PNG through a temporary file and a rename (nothing half-written),
+    and close it."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, target)
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
     finally:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
+    return path

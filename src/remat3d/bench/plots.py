@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 from remat3d.bench.records import Record
+from remat3d.plotting import save_figure
 from remat3d.units import format_shape
 
 __all__ = ["headline_methods", "write_plots"]
@@ -26,18 +25,6 @@ _MARKERS = {"none": "s", "torch-blocks": "D", "checkpoint-sequential": "v",
             "remat3d:recursive": "p", "remat3d:uniform": "h", "remat3d:balanced": "H"}
 
 
-def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def _ok(records: list[Record]) -> list[Record]:
@@ -119,7 +106,7 @@ def _overhead_curves(records: list[Record], path: Path) -> Path | None:
         ax.set_visible(False)
     fig.suptitle("memory -> recompute overhead (lower left is better)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _peak_by_size(records: list[Record], path: Path) -> Path | None:
@@ -158,7 +145,7 @@ def _peak_by_size(records: list[Record], path: Path) -> Path | None:
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_plots(records: list[Record], out: Path) -> list[Path]:
