@@ -109,13 +109,15 @@ class Rebuilt:
         return value
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors ``func`` writes into: its schema's mutable arguments, and the running
-    statistics BatchNorm kernels update although their schema does not say so."""
+def _written(func: Any, args: tuple, kwargs: dict, *, but_first: bool = False
+             ) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into: its schema's mutable arguments (``but_first``: the
+    first one aside, an in-place op's own target), and the running statistics BatchNorm
+    kernels update although their schema does not say so."""
     found: list[Any] = []
     for i, argument in enumerate(func._schema.arguments):
         info = argument.alias_info
-        if info is not None and info.is_write:
+        if info is not None and info.is_write and not (but_first and i == 0):
             found.append(args[i] if i < len(args) else kwargs.get(argument.name))
     if "batch_norm" in func.__name__:
         found += list(args[3:5])
@@ -128,19 +130,25 @@ def _cheap(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     if torch.Tag.nondeterministic_seeded in func.tags or func.__name__.split(".")[0] in \
             _UNINITIALISED:
         return False
-    name = func.__name__
-    if "batch_norm" in name and any(a is not None for a in args[3:5]):
-        return False  # running statistics are updated as a side effect
-    schema = func._schema
-    for i, argument in enumerate(schema.arguments):
-        info = argument.alias_info
-        if info is not None and info.is_write and i != 0:
-            return False
+    if _written(func, args, kwargs, but_first=True):
+        return False  # a side effect: BatchNorm's running statistics, another argument
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
     if not tensors or not all(is_plain(t) for t in tensors):
         return False
     device = tensors[0].device
     return all(t.device == device for t in tensors)
+
+
+class _Entry:
+    """What the recorder knows of one storage: recipes by tensor key, and the recipes
+    saved in place of its tensors (rule 5)."""
+
+    __slots__ = ("packed", "recipes", "storage")
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = weakref.ref(storage)
+        self.recipes: dict[StorageKey, tuple[Recipe, int]] = {}
+        self.packed: list[tuple[weakref.ref[Rebuilt], StorageKey]] = []
 
 
 class RebuildRecorder(TorchDispatchMode):
@@ -149,12 +157,9 @@ class RebuildRecorder(TorchDispatchMode):
     def __init__(self, kept: Callable[[int], bool]) -> None:
         super().__init__()
         self._kept = kept  # storage id -> saved already (or a parameter/buffer)
-        self._table: dict[int, tuple[Any, dict[StorageKey, tuple[Recipe, int]]]] = {}
+        self._table: dict[int, _Entry] = {}  # by storage id
         self._finalizers: list[weakref.finalize] = []
         self._sequence = 0
-        # storage id -> (the storage, recipes saved in place of a tensor of it) (rule 5)
-        self._packed: dict[int, tuple[weakref.ref[Any],
-                                      list[tuple[weakref.ref[Rebuilt], StorageKey]]]] = {}
 
     def __exit__(self, *exc: object) -> None:
         # forward is over: saved recipes hold what they need; forget the rest (storages
@@ -164,7 +169,6 @@ class RebuildRecorder(TorchDispatchMode):
             finalizer.detach()
         self._finalizers.clear()
         self._table.clear()
-        self._packed.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -179,23 +183,31 @@ class RebuildRecorder(TorchDispatchMode):
         """NOTE rule 5: what an op that is not recorded writes into has no recipe, and a
         recipe saved for it already is replaced by the tensor itself."""
         for t in _written(func, args, kwargs):
-            storage = t.untyped_storage()
-            self._table.pop(id(storage), None)
-            owner, packed = self._packed.pop(id(storage), (None, []))
-            if owner is None or owner() is not storage:
-                continue  # (an id reused by another storage)
-            for ref, key in packed:
+            entry = self._entry(t.untyped_storage())
+            if entry is None:
+                continue
+            del self._table[id(t.untyped_storage())]
+            for ref, key in entry.packed:
                 rebuilt = ref()
                 if rebuilt is not None:
                     rebuilt.pin(t if storage_key(t, key[0]) == key else
                                 t.as_strided(key[1], key[2], key[3]))
 
-    def _lookup(self, t: torch.Tensor, version: int) -> tuple[Recipe, int] | None:
-        storage = t.untyped_storage()
+    def _entry(self, storage: Any, create: bool = False) -> _Entry | None:
+        """The entry of ``storage`` (not of an earlier storage with the same id)."""
         entry = self._table.get(id(storage))
-        if entry is None or entry[0]() is not storage:
+        if entry is not None and entry.storage() is storage:
+            return entry
+        if not create:
             return None
-        return entry[1].get(storage_key(t, version))
+        key = id(storage)
+        entry = self._table[key] = _Entry(storage)
+        self._finalizers.append(weakref.finalize(storage, self._table.pop, key, None))
+        return entry
+
+    def _lookup(self, t: torch.Tensor, version: int) -> tuple[Recipe, int] | None:
+        entry = self._entry(t.untyped_storage())
+        return None if entry is None else entry.recipes.get(storage_key(t, version))
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         schema = func._schema
@@ -219,9 +231,9 @@ class RebuildRecorder(TorchDispatchMode):
             else:
                 sources.append(Leaf(value, keep=4 * storage_nbytes(value) <= largest))
         inputs = {id(t.untyped_storage()) for t in flat if isinstance(t, torch.Tensor)}
-        new_bytes = sum(storage_nbytes(t) for t in {id(t.untyped_storage()): t for t in outputs
-                                             if id(t.untyped_storage()) not in inputs
-                                             }.values())
+        fresh = {id(t.untyped_storage()): t for t in outputs
+                 if id(t.untyped_storage()) not in inputs}
+        new_bytes = sum(storage_nbytes(t) for t in fresh.values())
         self._sequence += 1
         recipe = Recipe(func, spec, sources, self._sequence, new_bytes)
         for index, t in enumerate(tree_flatten(out)[0]):
@@ -229,14 +241,9 @@ class RebuildRecorder(TorchDispatchMode):
                 continue
             # an in-place op's version is bumped after this mode returns
             version = t._version + (1 if inplace and t is args[0] else 0)
-            storage = t.untyped_storage()
-            entry = self._table.get(id(storage))
-            if entry is None or entry[0]() is not storage:
-                key = id(storage)
-                entry = (weakref.ref(storage), {})
-                self._table[key] = entry
-                self._finalizers.append(weakref.finalize(storage, self._table.pop, key, None))
-            entry[1][storage_key(t, version)] = (recipe, index)
+            entry = self._entry(t.untyped_storage(), create=True)
+            assert entry is not None
+            entry.recipes[storage_key(t, version)] = (recipe, index)
 
     def rebuilt(self, t: torch.Tensor) -> Rebuilt | None:
         """The recipe to save instead of ``t``, if it keeps at most half of ``t``'s bytes
@@ -261,10 +268,7 @@ class RebuildRecorder(TorchDispatchMode):
         rebuilt = Rebuilt(recipe, index, leaves)
         # autograd saves an op's inputs before the op runs: one that then writes into
         # this tensor unseen by its version counter (rule 5) must find the recipe
-        storage = t.untyped_storage()
-        owner, packed = self._packed.get(id(storage), (None, []))
-        if owner is None or owner() is not storage:
-            packed = []
-            self._packed[id(storage)] = (weakref.ref(storage), packed)
-        packed.append((weakref.ref(rebuilt), storage_key(t, t._version)))
+        entry = self._entry(t.untyped_storage())
+        assert entry is not None  # _lookup found the recipe there
+        entry.packed.append((weakref.ref(rebuilt), storage_key(t, t._version)))
         return rebuilt
