@@ -13,7 +13,6 @@ the tens of stages a 3D network has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -44,12 +43,6 @@ class Costs:
         transfer = 2 * saved_bytes / self.host_bandwidth
         overlap = compute_flops / self.device_flops
         return max(0.0, transfer - overlap) * self.device_flops + 1e-6 * saved_bytes
-
-
-def _milp(*args: Any, **kwargs: Any) -> Any:
-    # quiet: HiGHS's own logging off (scipy's default); the few lines HiGHS prints to fd 1
-    # regardless are the CLI's concern (cli.common.quiet_native_stdout), not the library's
-    return milp(*args, **kwargs, options={"disp": False})
 
 
 def decision_cost(stage: Stage, decision: str, costs: Costs) -> float:
@@ -119,7 +112,7 @@ def solve(model: StageModel, budget: int, *, offload: bool = False,
         LinearConstraint(rows, -np.inf, budget + const),
         LinearConstraint(one_each, 1, 1),
     ]
-    result = _milp(c, constraints=constraints, integrality=np.ones(len(index)),
+    result = milp(c, constraints=constraints, integrality=np.ones(len(index)),
                    bounds=Bounds(0, 1))
     if result.x is None or not result.success:
         return None
@@ -149,7 +142,7 @@ def min_peak(model: StageModel, *, offload: bool = False,
     ]
     integrality = np.concatenate([np.ones(n), [0]])
     bounds = Bounds(np.zeros(n + 1), np.concatenate([np.ones(n), [np.inf]]))
-    result = _milp(c, constraints=constraints, integrality=integrality, bounds=bounds)
+    result = milp(c, constraints=constraints, integrality=integrality, bounds=bounds)
     peak = int(np.ceil(result.x[n])) if result.x is not None else model.unplanned_peak
     decisions = solve(model, max(peak, model.base), offload=offload, recomputable=ok)
     if decisions is None:
