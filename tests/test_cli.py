@@ -66,6 +66,16 @@ def test_profile_model_file(tmp_path):
     (["profile", "nnunet", "--model-kwargs", "[1, 2]"], "mapping"),
     (["plan", "basicunet", "--input", "1x1x32x32x32", "--budget", "1GiB", "--offload",
       "--host-budget", "lots"], "Cannot read 'lots' as a byte size"),
+    # issue 19 point 5
+    (["plan", "basicunet", "--input", "1x1x32x32x32", "--budget", "1e400"],
+     "larger than any memory"),
+    (["plan", "basicunet", "--input", "1x1x32x32x32", "--budget", "0.5"],
+     "did you mean '0.5x'"),
+    (["profile", "os:system", "--model-kwargs", '{"command": "echo pwned"}'],
+     "must name an nn.Module class"),
+    (["profile", "monai.networks.nets:SegResNet", "--model-kwargs",
+      '{"blocks_down": [1, 2, 2, 4, 4, 4]}', "--input", "1x1x8x8x8"],
+     "SegResNet's forward failed on a 1x1x8x8x8 float32 input: RuntimeError"),
 ])
 def test_user_errors_are_one_clear_line(args, message):
     result = runner.invoke(app, args)

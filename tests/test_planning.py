@@ -227,3 +227,111 @@ def test_plan_returns_the_callers_own_copy():
     again = remat3d.plan(net, SHAPE, budget="0.8x")
     assert again is not first
     assert again.regions == regions and "edited" not in again.notes
+
+
+def test_verify_is_part_of_the_cache_key():
+    """issue 19 point 4: a verified plan is never answered by an unverified one."""
+    from tests.tiling.test_fused import TinyUNet
+
+    net = TinyUNet()
+    quick = remat3d.plan(net, SHAPE, budget="0.8x", verify=False)
+    assert quick.verified_peak_bytes is None
+    verified = remat3d.plan(net, SHAPE, budget="0.8x", verify=True)
+    assert verified.verified_peak_bytes is not None
+
+
+def test_the_cache_does_not_keep_the_loss_function_or_what_it_holds_alive():
+    """A trainer's planning loss closes over the trainer (model, optimizer, data): the
+    process-wide cache must not pin them (issue 19 point 4)."""
+    import gc
+    import weakref
+
+    from tests.tiling.test_fused import TinyUNet
+
+    class Owner:  # stands for the trainer
+        def loss(self, y):
+            return (y.float() ** 2).mean()
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    net = TinyUNet()
+    bound = remat3d.plan(net, SHAPE, budget="0.8x", loss_fn=owner.loss)
+    with _not_planned_again():  # a bound method of the same object: the same key
+        assert remat3d.plan(net, SHAPE, budget="0.8x", loss_fn=owner.loss) == bound
+    def closing_over(o: Owner):  # what the trainer's planning loss is
+        return lambda y: o.loss(y)
+
+    loss = closing_over(owner)
+    assert remat3d.plan(net, SHAPE, budget="0.8x", loss_fn=loss) == bound
+    del owner, loss
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_plan_does_not_depend_on_what_was_planned_before(basicunet):
+    """issue 19 point 4: the same call gives the same plan whatever the process planned
+    earlier (a cheaper plan found for a smaller budget once replaced the search's own)."""
+    budgets = [int(remat3d.profile(basicunet, SHAPE).peak_bytes * f) for f in (0.85, 0.9)]
+    clear_plan_cache()
+    fresh = remat3d.plan(basicunet, SHAPE, budget=budgets[1], tile=False)
+    clear_plan_cache()
+    remat3d.plan(basicunet, SHAPE, budget=budgets[0], tile=False)
+    after = remat3d.plan(basicunet, SHAPE, budget=budgets[1], tile=False)
+    assert after == fresh
+
+
+def _process_state() -> tuple:
+    """What a plan, a profile or a step may install process-wide while it runs."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from remat3d.instrument.state import recompute_depth
+
+    module = torch.nn.modules.module
+    return (tuple(_get_current_dispatch_mode_stack()),
+            torch._C._autograd._top_saved_tensors_default_hooks(False),
+            tuple(torch.overrides._get_current_function_mode_stack()),
+            len(module._global_forward_hooks), len(module._global_forward_pre_hooks),
+            recompute_depth(), torch.is_grad_enabled())
+
+
+def test_an_interrupt_anywhere_in_plan_leaves_the_process_as_it_was():
+    """Ctrl-C inside plan() (a KeyboardInterrupt from any forward of the step: profiling,
+    each verification, recomputations, the tiling probe) leaves no hook, mode or flag
+    behind, and the next plan is the plan (issue 19 point 3)."""
+    calls = [0, -1]
+
+    class Interruptible(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv3d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            calls[0] += 1
+            if calls[0] == calls[1]:
+                raise KeyboardInterrupt
+            return torch.relu(self.conv(x))
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4, affine=True),
+            torch.nn.LeakyReLU(inplace=True),
+            torch.nn.Sequential(Interruptible(), torch.nn.BatchNorm3d(4)), Interruptible(),
+            torch.nn.Conv3d(4, 1, 1))
+
+    shape = (1, 1, 12, 12, 12)
+    before = _process_state()
+    clear_plan_cache()
+    want = remat3d.plan(net(), shape, budget="0.9x")
+    total = calls[0]
+    assert total > 4
+    # the first calls (profiling), then a spread over verifications and recomputations
+    for stop in [*range(1, 5), *range(5, total + 1, max(1, total // 10))]:
+        clear_plan_cache()
+        calls[:] = [0, stop]
+        with pytest.raises(KeyboardInterrupt):
+            remat3d.plan(net(), shape, budget="0.9x")
+        assert _process_state() == before, f"interrupted at forward call {stop} of {total}"
+    calls[:] = [0, -1]
+    clear_plan_cache()
+    assert remat3d.plan(net(), shape, budget="0.9x") == want

@@ -139,8 +139,11 @@ def test_class_spec_builds_with_kwargs() -> None:
         ("torch.nn:Conv4d", None, "has no attribute 'Conv4d'"),
         ("torch.nn:Conv3d", {"in_channels": 1}, "'torch.nn:Conv3d' with model kwargs .*TypeError"),
         ("torch.nn:Conv3d", {"chanels": 1}, "chanels"),
-        ("math:pi", None, "not a class or function"),
-        ("builtins:dict", None, "not a torch.nn.Module"),
+        ("math:pi", None, "'math:pi' is a float that is not a subclass of torch.nn.Module"),
+        ("builtins:dict", None, "is a class that is not a subclass of torch.nn.Module"),
+        # issue 19 point 5: any other callable would be called with the user's kwargs
+        ("os:system", {"command": "echo never"}, "must name an nn.Module class.*build_model"),
+        ("monai.networks.nets:SegResNet.__init__", None, "is a function that is not"),
         (":Conv3d", None, "package.module:Class"),
     ],
 )

@@ -7,6 +7,8 @@ traceback; library callers can catch the one base class.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "BudgetError",
     "DataError",
@@ -14,6 +16,7 @@ __all__ = [
     "InPlaceInputError",
     "InfeasibleBudgetError",
     "InputShapeError",
+    "ModelForwardError",
     "ModelSpecError",
     "PlanError",
     "RecomputeDivergedError",
@@ -23,6 +26,7 @@ __all__ = [
     "StaleRebuildError",
     "TilingError",
     "WeightsError",
+    "quoted",
 ]
 
 
@@ -90,3 +94,34 @@ class RecomputeDivergedError(Remat3dError, RuntimeError):
 
 class StaleRebuildError(Remat3dError, RuntimeError):
     """A tensor a saved recipe rebuilds from was modified in place before backward."""
+
+
+class ModelForwardError(Remat3dError, RuntimeError):
+    """The model's own forward failed on the step's input (e.g. kwargs that build a network
+    whose layers do not fit together, or an input it cannot take)."""
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def quoted(error: BaseException | str, limit: int = 300) -> str:
+    """Another library's message, to quote inside ours: whole sentences only, as many as
+    fit in ``limit`` characters (at least the first, if it fits in twice that), on one line.
+    Never a message cut mid-word or mid-address.
+
+    >>> quoted("First part. Second part is longer than the limit allows here.", limit=20)
+    'First part.'
+    """
+    text = " ".join(str(error).split())
+    kept = ""
+    for sentence in _SENTENCE_END.split(text):
+        candidate = f"{kept} {sentence}".strip()
+        if len(candidate) > limit and kept:
+            break
+        if len(candidate) > 2 * limit:
+            break
+        kept = candidate
+    if kept and kept[-1] not in ".!?":
+        kept += "."
+    return kept
+

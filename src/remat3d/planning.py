@@ -9,7 +9,8 @@ tracker, and the list of stages that can run tiled (``runtime/tiling/probe.py``)
 from __future__ import annotations
 
 import copy
-import dataclasses
+import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -21,13 +22,13 @@ from remat3d.errors import BudgetError, Remat3dError
 from remat3d.instrument.step import meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.registry import PlannerOptions
-from remat3d.planner.searching import Measured, Problem, extra_cost, search
+from remat3d.planner.searching import Measured, Problem, search
 from remat3d.planner.stages import StageModel, build_stages
 from remat3d.planspec import Plan
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
 from remat3d.runtime.fingerprint import model_fingerprint, model_signature
-from remat3d.runtime.region import InPlaceInputError
+from remat3d.runtime.region import InPlaceInputError, op_by_op_checks
 from remat3d.units import parse_bytes
 
 __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
@@ -60,8 +61,9 @@ def resolve_budget(budget: str | float, unplanned_peak: int,
             raise BudgetError(
                 f"Cannot read budget {budget!r}: a fraction is written like '0.25x'."
             ) from None
-        if not 0 < fraction:
-            raise BudgetError(f"Budget fraction must be positive, got {budget!r}.")
+        if not 0 < fraction < 1e6:  # (also: not nan, not inf)
+            raise BudgetError(f"Budget fraction must be a positive number like '0.25x', "
+                              f"got {budget!r}.")
         return int(unplanned_peak * fraction)
     if isinstance(budget, float):
         raise BudgetError(
@@ -71,12 +73,15 @@ def resolve_budget(budget: str | float, unplanned_peak: int,
     return parse_bytes(budget)
 
 
-def _verify(model: nn.Module, shapes: list[tuple[int, ...]], plan_: Plan, amp: str | None,
+def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: str | None,
             loss_fn: Callable[[Any], torch.Tensor] | None) -> Measured:
-    """Replay the plan on a meta copy under the tracker (the search's verifier)."""
+    """Replay the plan on a meta copy under the tracker (the search's verifier), every
+    recomputation compared with its forward op by op: a region whose forward depends on
+    more than its inputs fails here, named, instead of in training."""
     copy_ = meta_copy(model)
     apply(copy_, plan_)
-    m = measure(copy_, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
+    with op_by_op_checks():
+        m = measure(copy_, *examples, device="meta", amp=amp, loss_fn=loss_fn)
     return Measured(m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes)
 
 
@@ -113,8 +118,9 @@ def plan(
             hold more of it on the host are passed over.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
-    Plans are cached by (model structure and settings, input shapes, amp, budget, strategy,
-    offload, tile, loss function, deterministic-algorithms mode, host budget): see
+    Plans are cached by (model structure and settings, input shapes and dtypes, amp,
+    budget, strategy, offload, tile, loss function (held weakly), host budget, verify,
+    deterministic-algorithms mode): see
     :func:`remat3d.runtime.fingerprint.model_signature`.
 
     >>> import torch, remat3d
@@ -125,73 +131,111 @@ def plan(
     >>> p.verified_peak_bytes <= p.budget_bytes
     True
     """
-    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x) for x in inputs]
+    examples = _meta_examples(model, inputs)
+    shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
-    key = _cache_key(model, shapes, amp, budget, strategy, offload, tile, loss_fn, host_bytes)
+    key = _cache_key(model, examples, amp, budget, strategy, offload, tile,
+                     _FunctionKey(loss_fn), host_bytes, verify)
+    _forget_dead()
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return copy.deepcopy(_CACHE[key])  # the caller's own: editing it changes no cache
 
-    prof = profile(model, *shapes, device="meta", amp=amp, loss_fn=loss_fn)
+    prof = profile(model, *examples, device="meta", amp=amp, loss_fn=loss_fn)
     stages = build_stages(prof.graph)
     budget_bytes = resolve_budget(budget, prof.peak_bytes)
     header = Plan(model=type(model).__name__, model_fingerprint=model_fingerprint(model),
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes)
 
-    verifier, tileable = _torch_side(model, shapes, amp, loss_fn, stages)
+    verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages)
     chosen = search(Problem(
         stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
         options=PlannerOptions(offload=offload), header=header,
         step_flops=prof.graph.forward_flops + prof.graph.backward_flops,
         unplanned_peak=prof.peak_bytes, verify=verifier if verify else None,
         tileable=tileable if tile else None))
-    if strategy == "optimal":
-        chosen = _no_worse_than_known(chosen, key, budget_bytes)
     _CACHE[key] = chosen
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return copy.deepcopy(chosen)
 
 
-def _torch_side(model: nn.Module, shapes: list[tuple[int, ...]], amp: str | None,
+def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
                 loss_fn: Callable[[Any], torch.Tensor] | None, stages: StageModel
                 ) -> tuple[Callable[[Plan], Measured], Callable[[], list[bool]]]:
     """What the pure search asks of torch: a verifier (each candidate replayed on a meta
     copy under the tracker) and which stages can run tiled (probed only when asked)."""
     def verifier(candidate: Plan) -> Measured:
         try:
-            return _verify(model, shapes, candidate, amp, loss_fn)
+            return _verify(model, examples, candidate, amp, loss_fn)
         except InPlaceInputError as exc:
             raise Remat3dError(f"Plan could not be verified: {exc}") from exc
 
     def tileable() -> list[bool]:
         from remat3d.runtime.tiling.probe import tileable as probe
 
-        return probe(model, shapes, amp, [(st.name, st.call_index) for st in stages.stages])
+        return probe(model, [tuple(x.shape) for x in examples], amp,
+                     [(st.name, st.call_index) for st in stages.stages])
 
     return verifier, tileable
 
 
-def _cache_key(model: nn.Module, shapes: list[tuple[int, ...]], *settings: Any) -> tuple:
-    """What a cached plan must have been made for: the model's signature, the shapes, the
-    call's settings, and the deterministic-algorithms switch (it changes which kernels,
-    and temporaries, some ops use on meta). The loss function is among the settings, by
-    identity: a new function plans again."""
-    return (model_signature(model), tuple(shapes), *settings[:5],
-            torch.are_deterministic_algorithms_enabled(), *settings[5:])
+def _meta_examples(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:
+    """The example inputs as meta tensors, dtypes kept: a tensor's own, and for a shape the
+    model's floating-point parameters' (a model in pure bf16 takes bf16 inputs)."""
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    examples = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            examples.append(torch.empty(tuple(x.shape), dtype=x.dtype, device="meta"))
+        else:
+            examples.append(torch.empty(tuple(x), dtype=floats[0] if floats else None,
+                                        device="meta"))
+    return examples
 
 
-def _no_worse_than_known(chosen: Plan, key: tuple, budget: int) -> Plan:
-    """A cheaper plan already verified under this budget (for a smaller budget) wins.
+class _FunctionKey:
+    """A loss function in a cache key without keeping it (or what it closes over: a
+    trainer, its model and data) alive: equal while it lives, never again after."""
 
-    This keeps a budget sweep monotone: more memory never costs more recomputation.
-    """
-    family = key[:3] + key[4:]
-    for other_key, other in _CACHE.items():
-        if other_key[:3] + other_key[4:] != family or other.verified_peak_bytes is None:
-            continue
-        if other.verified_peak_bytes <= budget and extra_cost(other) < extra_cost(chosen):
-            chosen = dataclasses.replace(other, budget_bytes=budget,
-                                         regions=list(other.regions))
-    return chosen
+    def __init__(self, fn: Callable[..., Any] | None) -> None:
+        self._none = fn is None
+        self._ref: Callable[[], Any]
+        try:
+            self._ref = (weakref.WeakMethod(fn) if inspect.ismethod(fn)  # type: ignore[arg-type]
+                         else weakref.ref(fn))  # type: ignore[arg-type]
+        except TypeError:  # None, builtins: nothing that could pin a trainer
+            self._ref = lambda: fn
+        self._hash = hash((id(getattr(fn, "__func__", fn)), id(getattr(fn, "__self__", None))))
+
+    @property
+    def alive(self) -> bool:
+        return self._none or self._ref() is not None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _FunctionKey) or other._hash != self._hash:
+            return False
+        if self._none or other._none:
+            return self._none and other._none
+        mine = self._ref()
+        return mine is not None and mine == other._ref()
+
+
+def _forget_dead() -> None:
+    """Drop cached plans whose loss function is gone (they can never be asked for again)."""
+    for key in [k for k in _CACHE if any(isinstance(part, _FunctionKey) and not part.alive
+                                          for part in k)]:
+        del _CACHE[key]
+
+
+def _cache_key(model: nn.Module, examples: list[torch.Tensor], *settings: Any) -> tuple:
+    """What a cached plan must have been made for: the model's signature, the inputs'
+    shapes and dtypes, the call's settings (the loss function by identity, held weakly:
+    a new function plans again), and the deterministic-algorithms switch (it changes which
+    kernels, and temporaries, some ops use on meta)."""
+    return (model_signature(model), tuple((tuple(x.shape), x.dtype) for x in examples),
+            *settings, torch.are_deterministic_algorithms_enabled())

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ _UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
+_LARGEST = 2**60  # an exbibyte: anything larger is a typo
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -52,7 +54,16 @@ def parse_bytes(text: str | int) -> int:
             f"Cannot read {text!r} as a byte size. Use a number with a unit, e.g. '12GiB', "
             "'500MB', '1.5G', or a plain integer of bytes."
         )
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    number, unit = float(match.group(1)), match.group(2).lower()
+    value = number * _UNITS[unit]
+    if not math.isfinite(value) or value > _LARGEST:
+        raise BudgetError(f"{text!r} is larger than any memory ({format_bytes(_LARGEST)} at "
+                          "most). Give a size like '12GiB'.")
+    if unit in ("", "b") and number != int(number):
+        hint = (f" For a budget, did you mean '{match.group(1)}x' (a fraction of the "
+                "unplanned peak)?" if number < 1 else "")
+        raise BudgetError(f"{text!r} reads as a fraction of a byte.{hint} A size needs a "
+                          "unit ('12GiB', '500MB') or a whole number of bytes.")
     return round(value)
 
 

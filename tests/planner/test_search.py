@@ -91,12 +91,43 @@ def test_each_distinct_plan_is_verified_once():
     seen: list[tuple] = []
 
     def verify(plan: Plan) -> Measured:
-        seen.append((plan.prefetch, *((r.module, r.decision, str(r.policy))
-                                      for r in plan.regions)))
+        seen.append((plan.prefetch, plan.rebuild_saved,
+                     *((r.module, r.decision, str(r.policy)) for r in plan.regions)))
         return inner(plan)
 
     search(_problem(model, model.unplanned_peak, verify=verify))
     assert seen and len(seen) == len(set(seen))
+
+
+@pytest.mark.parametrize("without", [0, 10**12])
+def test_the_plan_goes_without_rebuilding_only_where_it_fits_without(without: int):
+    """NOTE [ Rebuilding only where it pays ]: rebuilding costs wall time per op."""
+    model = random_model(random.Random(4), 5)
+    model.unplanned_peak = model.peak([KEEP] * 5)
+    inner = fake_verifier(model)
+
+    def verify(plan: Plan) -> Measured:
+        m = inner(plan)
+        return m._replace(peak_bytes=m.peak_bytes + (0 if plan.rebuild_saved else without))
+
+    budget = (model.unplanned_peak * 9) // 10
+    chosen = search(_problem(model, budget, verify=verify))
+    assert chosen.rebuild_saved is (without > 0)
+    assert chosen.verified_peak_bytes is not None and chosen.verified_peak_bytes <= budget
+
+
+def test_the_plan_with_no_region_competes():
+    """Rebuilding saved tensors alone may reach a budget: then nothing is recomputed."""
+    model = random_model(random.Random(6), 5)
+    model.unplanned_peak = model.peak([KEEP] * 5)
+    inner = fake_verifier(model)
+
+    def verify(plan: Plan) -> Measured:  # what keeps everything measures low
+        m = inner(plan)
+        return m._replace(peak_bytes=1) if not plan.regions else m
+
+    chosen = search(_problem(model, model.unplanned_peak // 2, verify=verify))
+    assert chosen.regions == [] and not chosen.recompute_flops
 
 
 def test_infeasible_budget_names_the_smallest_and_says_what_may_lower_it():

@@ -110,6 +110,54 @@ def test_bad_settings_are_one_line(data, extra, message):
     assert message in " ".join(result.output.split()), result.output
 
 
+def test_a_new_run_refuses_a_folder_holding_a_run(data):
+    """issue 19 point 3: a second `train` into a finished run's folder overwrote it."""
+    cfg = str(config(data))
+    assert runner.invoke(app, ["train", cfg]).exit_code == 0
+    weights = (data / "run" / "model.pt").read_bytes()
+    log = (data / "run" / "log.jsonl").read_text()
+    again = runner.invoke(app, ["train", cfg])
+    assert again.exit_code == 2 and "Traceback" not in again.output
+    text = " ".join(again.output.split())
+    assert "already holds a run" in text and "--resume" in text and "--overwrite" in text
+    assert (data / "run" / "model.pt").read_bytes() == weights
+    assert (data / "run" / "log.jsonl").read_text() == log
+    assert runner.invoke(app, ["train", cfg, "--overwrite"]).exit_code == 0
+
+
+def test_the_interrupt_hint_repeats_the_overrides(data, monkeypatch):
+    """issue 19 point 3: the Ctrl-C hint dropped --key=value, so following it said
+    "Nothing to resume" (another output_dir)."""
+    import remat3d.train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(remat3d.train, "train", interrupted)
+    out = data / "elsewhere dir"
+    result = runner.invoke(app, ["train", str(config(data)), f"--output_dir={out}",
+                                 "--epochs=2"])
+    assert result.exit_code == 130
+    hint = " ".join(result.output.split())
+    assert f"'--output_dir={out}' --epochs=2 --resume" in hint, hint
+
+
+def test_paths_in_the_settings_file_are_relative_to_it(data, monkeypatch, tmp_path_factory):
+    """issue 19 point 3: output_dir resolved against the current directory while data
+    resolved against the file (docs/training.md: every path is relative to the file)."""
+    from remat3d.train import load_settings
+
+    path = config(data, output_dir="runs/a", lr="1e-3")
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    monkeypatch.chdir(cwd)
+    settings = load_settings(path)
+    assert settings.output_dir == str(data / "runs" / "a")
+    assert settings.data == str(data / "data" / "dataset.json")
+    assert settings.lr == 1e-3  # YAML reads 1e-3 as text: accepted as the number
+    flag = load_settings(path, ["--output_dir=runs/b"])
+    assert flag.output_dir == "runs/b"  # a flag's path is the shell's: from here
+
+
 def test_resume_without_a_run(data):
     result = runner.invoke(app, ["train", str(config(data)), "--resume"])
     assert result.exit_code == 2 and "Nothing to resume" in result.output

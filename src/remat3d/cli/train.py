@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from remat3d.cli.common import console, err_console
@@ -19,6 +21,9 @@ def train_command(
     config: str = typer.Argument(..., help="Settings file (YAML). See docs/training.md."),
     resume: bool = typer.Option(False, "--resume",
                                 help="Continue the run in output_dir from its last state file."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Start afresh in an output_dir that holds a run, "
+                                        "replacing its weights, state and log."),
 ) -> None:
     """Fine-tune a network on whole volumes within a memory budget.
 
@@ -40,10 +45,12 @@ def train_command(
                   f"{settings.output_dir}", highlight=False)
     started = time.perf_counter()
     try:
-        result = train(settings, resume=resume, say=lambda m: console.print(m, highlight=False))
+        result = train(settings, resume=resume, overwrite=overwrite,
+                       say=lambda m: console.print(m, highlight=False))
     except KeyboardInterrupt:
+        again = shlex.join(["remat3d", "train", config, *overrides, "--resume"])
         err_console.print(f"[bold yellow]interrupted.[/] Continue from the last saved state "
-                          f"with: remat3d train {config} --resume", highlight=False)
+                          f"with: {escape(again)}", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     table = Table(title=f"{result.epochs} epochs, {result.steps} optimizer steps in "
                         f"{time.perf_counter() - started:.0f} s", title_justify="left")

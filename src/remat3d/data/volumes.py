@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from remat3d.data.datalist import Case
-from remat3d.errors import DataError
+from remat3d.errors import DataError, quoted
 
 __all__ = ["Preprocessing", "Volume", "load_case"]
 
@@ -116,9 +116,13 @@ def _read(path: Path) -> Any:
             volume = loader(str(path))
         except Exception as exc:  # noqa: BLE001 - readers raise many types; name the file
             cause = exc.__cause__ or exc
+            # MONAI's "no suitable reader" comes with advice to install reader libraries,
+            # which is not the problem: no reader recognised the file's contents
+            why = ("no image reader recognises its contents." if "suitable reader" in
+                   str(cause) else f"{type(cause).__name__}: {quoted(cause)}")
             raise DataError(
-                f"Cannot read {str(path)!r}: {type(cause).__name__}: {str(cause)[:200]}. "
-                "The file may be truncated or not a NIfTI file/DICOM series; re-export or "
+                f"Cannot read {str(path)!r} as an image: {why} The file may be truncated, "
+                "or not a NIfTI file (DICOM series) whatever its name; re-export or "
                 "re-download it."
             ) from None
     if volume.ndim != 4:

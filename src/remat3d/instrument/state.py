@@ -10,8 +10,14 @@ from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["is_recomputing", "module_name", "placement", "recomputing",
-           "register_module_names"]
+__all__ = [
+    "is_recomputing",
+    "module_name",
+    "placement",
+    "recompute_depth",
+    "recomputing",
+    "register_module_names",
+]
 
 _local = threading.local()
 _NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -27,6 +33,11 @@ def is_recomputing() -> bool:
     False
     """
     return getattr(_local, "depth", 0) > 0
+
+
+def recompute_depth() -> int:
+    """How many recomputations are running, one inside the other, in this thread."""
+    return getattr(_local, "depth", 0)
 
 
 def enter_recompute() -> None:

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from remat3d.errors import Remat3dError
+from remat3d.errors import ModelForwardError, Remat3dError, quoted
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.tracker import MemoryTracker, normalize_device
+from remat3d.units import format_shape
 
 __all__ = ["StepSetup", "default_loss", "forward_loss", "meta_copy", "prepare_step",
            "preserved_state", "run_step", "tracked_forward_backward"]
@@ -168,7 +169,19 @@ def _autocast(setup: StepSetup) -> contextlib.AbstractContextManager:
 
 def forward_loss(setup: StepSetup) -> torch.Tensor:
     with _autocast(setup):
-        output = setup.model(*setup.inputs)
+        try:
+            output = setup.model(*setup.inputs)
+        except Remat3dError:
+            raise
+        except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
+            shapes = ", ".join(format_shape(x.shape) + f" {str(x.dtype).replace('torch.', '')}"
+                               for x in setup.inputs if isinstance(x, torch.Tensor))
+            amp = "" if setup.amp is None else f" under {str(setup.amp)[6:]} autocast"
+            raise ModelForwardError(
+                f"{type(setup.model).__name__}'s forward failed on a {shapes} input{amp}: "
+                f"{type(exc).__name__}: {quoted(exc) or 'no message'} Check the model's "
+                "settings (channels, strides, kwargs) against the input's shape and channels."
+            ) from exc
         try:
             loss = setup.loss_fn(output)
         except RuntimeError as exc:

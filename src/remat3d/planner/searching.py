@@ -111,7 +111,7 @@ class _Search:
     def measure(self, candidate: Plan) -> Measured:
         """The verifier's measurement, once per distinct plan (searches revisit plans)."""
         assert self.p.verify is not None
-        signature = (candidate.prefetch, *(
+        signature = (candidate.prefetch, candidate.rebuild_saved, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
              str(r.policy), tuple(r.tile or ()), r.fuse, r.host)
             for r in candidate.regions))
@@ -163,6 +163,26 @@ class _Search:
 
     # -- the search -------------------------------------------------------------------
     def run(self) -> Plan:
+        return self.lean(self.choose())
+
+    def lean(self, chosen: Plan) -> Plan:
+        """``chosen`` without rebuilt saved tensors if it fits the budget without them.
+
+        NOTE [ Rebuilding only where it pays ]
+          Rebuilding saved tensors from cheap ops (``runtime/rebuild.py``) lowers the
+          peak at no FLOPs, but it watches every op outside the regions (Python code per
+          op) and replays the cheap ones in backward: wall time. Candidates are verified
+          with it; the chosen plan is verified once more without, and goes without when
+          that still fits (every-block plans mostly do: almost nothing is saved outside
+          their regions). The verified peak is the one of the plan as returned.
+        """
+        if self.p.verify is None or not chosen.rebuild_saved:
+            return chosen
+        lean = self.check(dataclasses.replace(chosen, rebuild_saved=False,
+                                              regions=list(chosen.regions)))
+        return lean if (lean.verified_peak_bytes or 0) <= self.budget else chosen
+
+    def choose(self) -> Plan:
         if self.p.strategy != "optimal":
             chosen = self.make(self.budget)
             if chosen is not None:
@@ -284,12 +304,12 @@ class _Search:
         return best
 
     def candidates(self) -> list[Plan]:
-        """Plans every budget search also considers: the model's most frugal one, every
-        stage, every stage inside nested regions on every container (the deepest
-        recomputation), and the fixed strategies (blocks, uniform, sqrt, balanced,
-        recursive)."""
+        """Plans every budget search also considers: no region at all (what rebuilding
+        saved tensors alone reaches), the model's most frugal one, every stage, every
+        stage inside nested regions on every container (the deepest recomputation), and
+        the fixed strategies (blocks, uniform, sqrt, balanced, recursive)."""
         stages, options = self.stages, self.p.options
-        plans = []
+        plans = [self.build(Decisions([KEEP] * len(stages.stages)))]
         frugal = self.make(min_peak(stages, offload=options.offload,
                                     recomputable=options.recomputable)[0])
         if frugal is not None:

@@ -6,6 +6,8 @@ NOTE [ Installing a plan without changing the model ]
      to the module tree, so ``state_dict()`` keys, ``named_parameters()`` and parameter
      identity stay as they were. ``remove`` deletes the attribute (or puts back an instance
      ``forward`` the user had set).
+     The model itself gets one too, holding the saved-tensor log of the forward (a
+     ``with`` block: left even when the forward is interrupted).
   2. Calls are counted per module within one forward of the model, to pick the invocations
      a region names; a forward pre-hook on the model resets the counts. A recomputation
      replays the counts its region saw in forward, so nested regions pick the same calls.
@@ -16,6 +18,7 @@ NOTE [ Installing a plan without changing the model ]
 from __future__ import annotations
 
 import difflib
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from remat3d.decisions import Decision
-from remat3d.instrument.state import is_recomputing, register_module_names
+from remat3d.instrument.state import is_recomputing, module_name, register_module_names
 from remat3d.planspec import Plan, PlanError, Region
 from remat3d.runtime.fingerprint import model_fingerprint
 from remat3d.runtime.offload import HostUsage, OffloadHooks
@@ -60,6 +63,7 @@ class AppliedPlan:
     group: int = 0
     prefetch: dict[int, list[Any]] = field(default_factory=dict)
     logger: Any = None  # the saved-tensor log active during the current forward
+    root_forward: Any = None  # the model's instance forward before apply (usually none)
 
 
 def applied_state(model: nn.Module) -> AppliedPlan | None:
@@ -111,8 +115,10 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         object.__setattr__(module, "forward", _PlannedForward(state, name, module, original,
                                                               regions))
     state.handles.append(model.register_forward_pre_hook(_start_step(state)))
-    state.handles.append(model.register_forward_pre_hook(_start_log(state)))
-    state.handles.append(model.register_forward_hook(_stop_log(state), always_call=True))
+    # the saved-tensor log wraps the model's forward in a ``with``: undone even when the
+    # forward is interrupted (hooks with always_call=True do not run for KeyboardInterrupt)
+    state.root_forward = model.__dict__.get("forward")
+    object.__setattr__(model, "forward", _LoggedForward(state, model.forward))
     model.__dict__[_STATE_ATTR] = state
     return model
 
@@ -122,6 +128,10 @@ def remove(model: nn.Module) -> None:
     state = applied_state(model)
     if state is None:
         raise PlanError("No remat3d plan is applied to this model; nothing to remove.")
+    if state.root_forward is None:
+        model.__dict__.pop("forward", None)
+    else:
+        object.__setattr__(model, "forward", state.root_forward)
     modules = dict(model.named_modules())
     for name, original in state.originals.items():
         module = modules[name]
@@ -181,10 +191,7 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
     or the recipe that rebuilds it (runtime/rebuild.py)."""
 
     def __init__(self, state: AppliedPlan) -> None:
-        from remat3d.runtime.guards import ModuleStack
-
         self.state = state
-        self.modules = ModuleStack()
         self.kept: dict[int, Any] = {}  # storage id -> weakref: saved by now
         for t in (*state.model.parameters(), *state.model.buffers()):
             self._keep(t)
@@ -209,14 +216,13 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
             key = id(tensor.untyped_storage())
             if not self._is_kept(key) and key not in log.seen:
                 log.seen.add(key)
-                name = self.modules.current()
+                name = _calling_module()
                 log.by_module[name] = (log.by_module.get(name, 0)
                                        + tensor.untyped_storage().nbytes())
             self._keep(tensor)
         return saved
 
     def __enter__(self) -> Any:
-        self.modules.__enter__()
         if self.recipes is not None:
             self.recipes.__enter__()
         return super().__enter__()
@@ -225,30 +231,46 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*exc)
         if self.recipes is not None:
             self.recipes.__exit__(*exc)
-        self.modules.__exit__(*exc)
+
+
+_CALL = nn.Module._call_impl.__code__
+
+
+def _calling_module() -> str:
+    """The innermost module being called, from the Python stack: asked only when a tensor
+    is saved outside the regions (module hooks would cost time at every module call)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                return module_name(module)
+        frame = frame.f_back
+    return "(outside any module)"
 
 
 def _unpack(saved: torch.Tensor | Rebuilt) -> torch.Tensor:
     return saved if isinstance(saved, torch.Tensor) else saved.unpack()
 
 
-def _start_log(state: AppliedPlan) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        if not is_recomputing() and torch.is_grad_enabled():
-            logger = _LogSaved(state)
-            logger.__enter__()
-            state.logger = logger
+class _LoggedForward:
+    """The model's forward with the saved-tensor log around it (one per forward with
+    gradients, not in recomputations)."""
 
-    return hook
+    def __init__(self, state: AppliedPlan, inner: Callable[..., Any]) -> None:
+        self.state = state
+        self.inner = inner
 
-
-def _stop_log(state: AppliedPlan) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        logger, state.logger = state.logger, None
-        if logger is not None:
-            logger.__exit__(None, None, None)
-
-    return hook
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.state
+        if is_recomputing() or not torch.is_grad_enabled() or state.logger is not None:
+            return self.inner(*args, **kwargs)
+        state.logger = _LogSaved(state)
+        try:
+            with state.logger:
+                return self.inner(*args, **kwargs)
+        finally:
+            state.logger = None
 
 
 class _PlannedForward:

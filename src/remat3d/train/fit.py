@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from remat3d.errors import SettingsError
 from remat3d.graph import atomic_write_text
 from remat3d.planspec import Plan
 from remat3d.train.distributed import barrier
 from remat3d.train.state import (
+    STATE_FILE,
     check_resumable,
     load_state,
     rng_state,
@@ -108,13 +110,17 @@ class Fitting:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
-    def fit(self, *, resume: bool = False, interrupt_after: int | None = None) -> TrainResult:
+    def fit(self, *, resume: bool = False, overwrite: bool = False,
+            interrupt_after: int | None = None) -> TrainResult:
         """Run the epochs (from the last state file with ``resume``); NOTE [ Exact resume ]
-        in ``state.py`` says what a resumed run repeats exactly."""
+        in ``state.py`` says what a resumed run repeats exactly. A new run refuses an
+        ``output_dir`` that holds a run unless ``overwrite``."""
         s = self.settings
         self.model.train()
         run = _Position(_Log(self.output_dir / "log.jsonl", writes=self.world.main),
                         per_step=s.batch_size * self.world.size)
+        if not resume and not overwrite:
+            _refuse_a_finished_run(self.output_dir)
         self.make_plans()  # before anything is written: an infeasible budget leaves no files
         if resume:
             self._resume(run)
@@ -261,3 +267,18 @@ def _save_weights(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+_RUN_FILES = ("model.pt", STATE_FILE, "log.jsonl", "settings.yaml")
+
+
+def _refuse_a_finished_run(output_dir: Path) -> None:
+    """A new run must not overwrite the weights, state and log of an earlier one."""
+    found = [name for name in _RUN_FILES if (output_dir / name).exists()]
+    if found:
+        raise SettingsError(
+            f"output_dir {str(output_dir)!r} already holds a run ({', '.join(found)}). "
+            "Continue it with --resume (resume=True), start it again from scratch with "
+            "--overwrite (overwrite=True), or choose another output_dir."
+        )
+

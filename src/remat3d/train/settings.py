@@ -166,7 +166,7 @@ def load_settings(config: str | os.PathLike[str] | None,
                 values[key] = value
             origin[key] = f"--{item.lstrip('-')}"
     settings = _build(values, origin)
-    for key in ("data", "pretrained"):
+    for key in ("data", "pretrained", "output_dir"):
         value = getattr(settings, key)
         if value and not Path(value).expanduser().is_absolute() and key in origin \
                 and not origin[key].startswith("--"):
@@ -201,6 +201,11 @@ def _coerce(key: str, value: Any, hint: Any, where: str) -> Any:
         if origin_type is float and isinstance(value, (int, float)) \
                 and not isinstance(value, bool):
             return float(value)
+        if origin_type is float and isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-3 (no dot) as text
+                return float(value)
+            except ValueError:
+                pass
         if origin_type is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if origin_type is bool and isinstance(value, bool):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from remat3d.errors import SettingsError
+from remat3d.errors import SettingsError, quoted
 
 __all__ = ["RESUMABLE_CHANGES", "check_resumable", "load_state", "rng_state", "save_state",
            "set_rng_state"]
@@ -90,7 +90,7 @@ def load_state(output_dir: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a damaged file: say which and what to do
         raise SettingsError(f"Cannot read training state {str(path)!r}: "
-                            f"{type(exc).__name__}: {str(exc)[:200]}.") from None
+                            f"{type(exc).__name__}: {quoted(exc)}") from None
 
 
 def check_resumable(saved: dict[str, Any], current: dict[str, Any]) -> None:

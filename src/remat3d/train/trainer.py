@@ -45,14 +45,18 @@ logger = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
 
-def train(settings: TrainSettings, *, resume: bool = False,
+def train(settings: TrainSettings, *, resume: bool = False, overwrite: bool = False,
           say: Callable[[str], None] = logger.info,
           interrupt_after: int | None = None) -> TrainResult:
-    """Run ``settings`` to the end (or continue an interrupted run with ``resume=True``)."""
+    """Run ``settings`` to the end (or continue an interrupted run with ``resume=True``).
+
+    A new run refuses an ``output_dir`` that already holds one (its weights, state file or
+    log) unless ``overwrite=True``."""
     with deterministic(settings):
         trainer = Trainer(settings, say=say)
         try:
-            return trainer.fit(resume=resume, interrupt_after=interrupt_after)
+            return trainer.fit(resume=resume, overwrite=overwrite,
+                               interrupt_after=interrupt_after)
         finally:
             if trainer.world.enabled:
                 import torch.distributed as dist

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.errors import WeightsError
+from remat3d.errors import WeightsError, quoted
 
 __all__ = ["LoadReport", "apply_freeze", "load_pretrained", "read_state_dict"]
 
@@ -81,12 +81,12 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     try:
         content = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
-        message = str(exc).splitlines()[0][:200]
+        message = quoted(exc)
         hint = ("It holds pickled Python objects beyond tensors; re-save just the weights "
                 "with torch.save(model.state_dict(), path)."
                 if "weights_only" in str(exc) else
                 "The file may be truncated or not a PyTorch checkpoint.")
-        raise WeightsError(f"Cannot read {str(path)!r}: {type(exc).__name__}: {message}. "
+        raise WeightsError(f"Cannot read {str(path)!r}: {type(exc).__name__}: {message} "
                            f"{hint}") from None
     return _unwrap(content, path)
 

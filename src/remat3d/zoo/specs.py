@@ -1,5 +1,10 @@
 """Model specs: a preset, ``package.module:Class``, or a ``.py`` file with ``build_model()``;
 constructor kwargs from JSON/YAML text or a file.
+
+What a spec may execute: a preset runs remat3d's and MONAI's code; ``package.module:Class``
+imports that module (its import-time code runs, as with ``import``) and calls the class,
+which must be an ``nn.Module`` subclass (never another callable: ``os:system`` is refused);
+a ``.py`` file is run as Python code, so only name files you trust.
 """
 
 from __future__ import annotations
@@ -163,10 +168,15 @@ def _import_object(spec: str) -> Callable[..., Any]:
                 f"Module {module_name!r} has no attribute {attr_path!r} (model spec {spec!r})."
             )
         obj = getattr(obj, part)
-    if not callable(obj):
+    # Only module classes: a spec comes from the command line or a shared settings file,
+    # and any other callable (os:system) would be called with the user's kwargs. Factories
+    # go in a .py file with build_model(), which is explicitly code.
+    if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+        what = "class" if isinstance(obj, type) else type(obj).__name__
         raise ModelSpecError(
-            f"{spec!r} is a {type(obj).__name__}, not a class or function; a model spec must "
-            "name something that builds an nn.Module."
+            f"{spec!r} is a {what} that is not a subclass of torch.nn.Module; a "
+            "'package.module:Name' spec must name an nn.Module class. To build a model with "
+            "a function, put it in a .py file as build_model() and give that file's path."
         )
     return obj
 
