@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -76,13 +77,25 @@ def test_profile_model_file(tmp_path):
     (["profile", "monai.networks.nets:SegResNet", "--model-kwargs",
       '{"blocks_down": [1, 2, 2, 4, 4, 4]}', "--input", "1x1x8x8x8"],
      "SegResNet's forward failed on a 1x1x8x8x8 float32 input: RuntimeError"),
+    (["profile", "unet", "--model-kwargs",
+      '{"strides": [2, 2, 2, 2, 2], "channels": [4, 8, 16, 32, 64, 128]}',
+      "--input", "1x1x48x48x48"], "divisible by 32 .* Pad to 1x1x64x64x64"),
 ])
 def test_user_errors_are_one_clear_line(args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     text = " ".join(result.output.split())
-    assert "error:" in text and message in text
+    assert "error:" in text and re.search(message, text), text
     assert "Traceback" not in result.output
+
+
+def test_a_preset_with_other_strides_takes_the_sizes_its_network_takes():
+    """issue 19 point 5: the preset's default divisor (16) refused a legal 40³ for a UNet
+    with three strides."""
+    result = runner.invoke(app, ["profile", "unet", "--model-kwargs",
+                                 '{"strides": [2, 2, 2], "channels": [4, 8, 16, 32]}',
+                                 "--input", "1x1x40x40x40"])
+    assert result.exit_code == 0, result.output
 
 
 def test_plan_command_writes_plan_and_plot(tmp_path):

@@ -335,3 +335,17 @@ def test_an_interrupt_anywhere_in_plan_leaves_the_process_as_it_was():
     calls[:] = [0, -1]
     clear_plan_cache()
     assert remat3d.plan(net(), shape, budget="0.9x") == want
+
+
+def test_a_model_in_pure_bf16_plans_with_its_input_dtype():
+    """issue 19 point 5: plan() rebuilt the example input from its shape as float32, so a
+    model in pure bf16 failed inside plan()'s own profiling."""
+    from tests.tiling.test_fused import TinyUNet
+
+    net = TinyUNet().to(torch.bfloat16)
+    x = torch.randn(SHAPE, dtype=torch.bfloat16)
+    p = remat3d.plan(net, x, budget="0.8x")
+    assert p.verified_peak_bytes is not None and p.verified_peak_bytes <= p.budget_bytes
+    assert remat3d.plan(net, SHAPE, budget="0.8x") == p  # a shape takes the weights' dtype
+    float_net = TinyUNet()
+    assert remat3d.plan(float_net, SHAPE, budget="0.8x").budget_bytes > p.budget_bytes

@@ -43,4 +43,8 @@ if __name__ == "__main__":
     planned, regions = count(sys.argv[1], "0.8x")
     if dist.get_rank() == 0:
         print(json.dumps({"plain": plain, "planned": planned, "regions": regions}))
+    # every rank done with every collective before the group goes: torn down while the
+    # other rank's gloo thread still ran, rank 0 aborted ("terminate called without an
+    # active exception") on a loaded machine
+    dist.barrier()
     dist.destroy_process_group()

@@ -40,7 +40,7 @@ def test_train_runs_and_reports(data):
     result = runner.invoke(app, ["train", str(config(data)), f"--output_dir={data / 'out'}",
                                  "--epochs=2"])
     assert result.exit_code == 0, result.output
-    for text in ("plan for 1x1x32x32x32", "validation Dice", "2 epochs, 4 optimizer steps",
+    for text in ("plan for 1x1x20x20x16", "validation Dice", "2 epochs, 4 optimizer steps",
                  "measured step peak", "model.pt"):
         assert text in result.output, text
     assert (data / "out" / "model.pt").is_file() and (data / "out" / "state.pt").is_file()
@@ -66,7 +66,7 @@ def corrupt(kind, root):
         image, _ = blob_case((20, 20, 16), 0)
         write_volume(images / "case0.nii.gz", np.stack([image, image], axis=-1))
     elif kind == "small":
-        image, label = blob_case((6, 20, 16), 0)
+        image, label = blob_case((3, 20, 16), 0)  # the UNET takes 8 at least
         write_volume(images / "case0.nii.gz", image)
         write_volume(root / "data" / "labelsTr" / "case0.nii.gz", label)
     elif kind == "empty":
@@ -79,7 +79,7 @@ def corrupt(kind, root):
     ("shape", r"label .*case0\.nii\.gz' has shape \(20, 20, 16\) but its image"),
     ("affine", r"case0\.nii\.gz' .* different affines"),
     ("channels", r"case0.nii.gz.\) has 2 channel\(s\) but the model takes 1"),
-    ("small", r"case0.*6x20x16 voxels.*at least 32"),
+    ("small", r"case0.*3x20x16 voxels.*at least 8"),
     ("empty", r"lists no training cases"),
 ])
 def test_bad_data_is_one_line_before_training(data, kind, message):
@@ -156,6 +156,17 @@ def test_paths_in_the_settings_file_are_relative_to_it(data, monkeypatch, tmp_pa
     assert settings.lr == 1e-3  # YAML reads 1e-3 as text: accepted as the number
     flag = load_settings(path, ["--output_dir=runs/b"])
     assert flag.output_dir == "runs/b"  # a flag's path is the shell's: from here
+
+
+def test_a_preset_with_other_strides_pads_to_its_networks_divisor(data):
+    """issue 19 point 5: the preset's default divisor (16 for unet) padded these 20x20x16
+    volumes to 32³ whatever the strides; the divisor now comes from the network built
+    (three strides: 8)."""
+    result = runner.invoke(app, ["train", str(config(data)), "--epochs=1",
+                                 "--model_kwargs.strides=[2,2,2]",
+                                 "--model_kwargs.channels=[4,4,4,4]"])
+    assert result.exit_code == 0, result.output
+    assert "plan for 1x1x24x24x16" in result.output
 
 
 def test_resume_without_a_run(data):

@@ -131,16 +131,31 @@ def test_frozen_encoder_gets_no_update_and_plan_keeps_gradients_exact(workspace)
                if not n.startswith("model.0."))
 
 
-def test_measured_step_peak_stays_within_the_budget(workspace):
-    s = settings(workspace, "peak", epochs=1, strategy="optimal")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_measured_step_peak_stays_within_the_budget(workspace, accumulate):
+    """NOTE [ The whole step's budget ]: with accumulate > 1 the summed gradients are held
+    through every later micro-batch (issue 19 point 2: they were counted only under DDP,
+    and a 0.8x run measured above its budget)."""
+    s = settings(workspace, f"peak{accumulate}", epochs=1, strategy="optimal",
+                 accumulate=accumulate)
     trainer = Trainer(s, say=lambda m: None)
     result = trainer.fit()
+    trainable = sum(p.numel() * p.element_size() for p in trainer.model.parameters()
+                    if p.requires_grad)
+    assert result.peaks and result.verified_peaks.keys() == result.peaks.keys()
     for shape, peak in result.peaks.items():
         plan = result.plans[shape]
-        extra = trainer.extra_bytes(shape)  # optimizer state
+        extra = trainer.extra_bytes(shape)  # optimizer state (and summed gradients)
+        assert result.verified_peaks[shape] == plan.verified_peak_bytes + extra
         assert peak <= plan.budget_bytes + extra
-        # the real step is the verified one, to within a few bytes (scalars)
-        assert abs(peak - (plan.verified_peak_bytes + extra)) <= 64
+        assert peak <= result.verified_peaks[shape] + 64  # a few bytes: scalars
+        # the real step is the verified one, to within a few bytes; accumulating, the
+        # summed gradients are counted whole, at most that much above
+        slack = 64 + (trainable if accumulate > 1 else 0)
+        assert result.verified_peaks[shape] - peak <= slack
+        if accumulate > 1:  # the summed gradients are in the step's budget
+            one = Trainer(settings(workspace, "peak-one", accumulate=1), say=lambda m: None)
+            assert extra - one.extra_bytes(shape) == trainable
 
 
 def test_resume_refuses_changed_settings(workspace):
@@ -166,7 +181,8 @@ def test_volumes_of_different_shapes_get_one_plan_each(tmp_path):
                       val_fraction=0.0, epochs=2, memory_budget="0.8x", strategy="blocks",
                       output_dir=str(tmp_path / "run"), progress=False)
     result = train(s)
-    assert sorted(result.plans) == [(1, 1, 32, 32, 32), (1, 1, 48, 32, 32)]
+    # UNET has two strides: padded to multiples of 4 (not the preset default 16)
+    assert sorted(result.plans) == [(1, 1, 24, 20, 20), (1, 1, 36, 20, 20)]
     assert sorted(result.peaks) == sorted(result.plans)
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text()
            .splitlines()]

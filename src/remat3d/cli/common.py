@@ -79,9 +79,34 @@ def build(model: str, input: str | None, model_kwargs: str | None) -> tuple[Any,
         shape: tuple[int, ...] = (1, channels, 128, 128, 128)
     else:
         shape = parse_shape(input)
+    geometry_kwargs = set(kwargs) - zoo.SIZE_NEUTRAL_KWARGS
     if preset is not None:
-        zoo.check_input_shape(preset, shape, kwargs)
+        # the preset's divisibility rule is that of its default geometry; other strides,
+        # depths or kernels are checked on the model built from them (below)
+        zoo.check_input_shape(preset, shape, kwargs, divisibility=not geometry_kwargs)
     if len(shape) < 3:
         raise Remat3dError(f"Input shape {input!r} needs batch, channels and spatial sizes.")
     net = zoo.build_model(model, kwargs, spatial_size=tuple(shape[2:]), device="meta")
+    if preset is not None and geometry_kwargs and preset.task == "segmentation":
+        _check_probed_shape(net, shape, model)
     return net, shape
+
+
+def _check_probed_shape(net: Any, shape: tuple[int, ...], model: str) -> None:
+    """``shape`` against the divisor and smallest edge of the network actually built
+    (``data.padding.probe_geometry``: found on meta)."""
+    from remat3d.data.padding import probe_geometry
+    from remat3d.errors import InputShapeError
+    from remat3d.units import format_shape
+
+    geometry = probe_geometry(net, shape[1])
+    k, smallest = geometry.divisor, geometry.min_size
+    spatial = shape[2:]
+    if all(e % k == 0 and e >= smallest for e in spatial):
+        return
+    fixed = (*shape[:2], *(max(smallest, -(-e // k) * k) for e in spatial))
+    raise InputShapeError(
+        f"{model} with these model kwargs needs every spatial size divisible by {k} and at "
+        f"least {smallest} (found by probing the network they build); got "
+        f"{format_shape(shape)}. Pad to {format_shape(fixed)}."
+    )

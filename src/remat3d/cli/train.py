@@ -56,11 +56,11 @@ def train_command(
                         f"{time.perf_counter() - started:.0f} s", title_justify="left")
     table.add_column("input shape")
     table.add_column("measured step peak", justify="right")
-    table.add_column("plan verified peak", justify="right")
+    table.add_column("verified step peak", justify="right")
     for shape, peak in sorted(result.peaks.items()):
-        plan = result.plans.get(shape)
+        verified = result.verified_peaks.get(shape)
         table.add_row(format_shape(shape), format_bytes(peak),
-                      format_bytes(plan.verified_peak_bytes or 0) if plan else "no plan")
+                      format_bytes(verified) if verified is not None else "no plan")
     console.print(table)
     if result.validation:
         last = result.validation[-1]

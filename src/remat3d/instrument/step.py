@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -201,6 +202,31 @@ def forward_loss(setup: StepSetup) -> torch.Tensor:
     return loss
 
 
+def held_tensors(fn: Any) -> list[torch.Tensor]:
+    """The tensors a loss function holds itself (its closure, a ``functools.partial``'s
+    arguments, its defaults): its targets, alive through the whole step, so counted from
+    its start like the inputs (a label first read by the loss is as alive during forward
+    as in a training loop, which loads it with the image)."""
+    held: list[Any] = []
+    while fn is not None:
+        held += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()
+                 if _filled(cell)]
+        held += list(getattr(fn, "__defaults__", None) or ())
+        held += list((getattr(fn, "__kwdefaults__", None) or {}).values())
+        if isinstance(fn, functools.partial):
+            held += [*fn.args, *fn.keywords.values()]
+        fn = fn.func if isinstance(fn, functools.partial) else None
+    return [t for t in tree_leaves(held) if isinstance(t, torch.Tensor)]
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
 def tracked_forward_backward(setup: StepSetup, tracker: MemoryTracker) -> None:
     """Forward, loss and backward under ``tracker``, marking where forward ends (what is
     alive then is what autograd saved) and that the ops after it are backward's."""
@@ -221,6 +247,7 @@ def run_step(setup: StepSetup, *, time_ops: bool = False) -> MemoryTracker:
         try:
             tracker.register_model(setup.model)
             tracker.register(list(setup.inputs), "input")
+            tracker.register(held_tensors(setup.loss_fn), "input")
             tracked_forward_backward(setup, tracker)
             tracker.mark_gradients(list(setup.model.parameters()) + list(setup.inputs))
         finally:

@@ -1,8 +1,9 @@
 """The PyTorch internals remat3d relies on, in one place.
 
 Every use of a private name of ``torch.utils.checkpoint`` goes through here, each with what
-happens when a torch version does not have it (the tested range is in ``pyproject.toml``;
-``tests/runtime/test_compat.py`` checks each gate against the installed torch).
+happens when a torch version does not have it. ``pyproject.toml`` requires the oldest
+release CI tests (``TESTED_TORCH``); ``tests/runtime/test_compat.py`` checks each gate
+against the installed torch, so a release that drops one fails there, not silently.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Any
 
 from torch.utils import checkpoint as _ckpt
 
+TESTED_TORCH = (2, 13)  # pyproject.toml's floor: the release CI runs
+
 __all__ = [
+    "TESTED_TORCH",
     "checkpoint_debug_enabled",
     "checkpoint_early_stop",
     "register_determinism_check",

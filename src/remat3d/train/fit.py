@@ -46,6 +46,9 @@ class TrainResult:
     validation: list[dict[str, Any]] = field(default_factory=list)
     peaks: dict[Shape, int] = field(default_factory=dict)       # measured, per input shape
     plans: dict[Shape, Plan] = field(default_factory=dict)
+    # per input shape, the plan's verified peak plus what the step holds besides
+    # (NOTE [ The whole step's budget ] in plans.py): what ``peaks`` is compared with
+    verified_peaks: dict[Shape, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -151,6 +154,8 @@ class Fitting:
         barrier(self.world)
         result.epochs, result.steps = run.epoch, run.step
         result.peaks = dict(self.peaks)
+        result.verified_peaks = {shape: peak for shape in result.plans
+                                 if (peak := self.verified_step_peak(shape)) is not None}
         return result
 
     def _start(self, run: _Position) -> None:

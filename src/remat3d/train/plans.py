@@ -36,14 +36,22 @@ class StepPlans:
     def extra_bytes(self, shape: Shape) -> int:
         """Bytes a training step holds beyond what ``remat3d.plan`` measures (negative: fewer).
 
-        - The optimizer state (AdamW: two moments and a step count per trainable weight;
-          SGD: one momentum buffer), alive through every step after the first.
-        - DDP: its gradient buckets, allocated once and alive through the whole step.
-        - FSDP2: parameters, gradients and optimizer state divided by the world size, plus
-          the largest unit's unsharded parameters and gradients in flight; the plan measured
-          them whole, so the difference is given back to the step.
-        (The label is in the planned step already: the planning loss reads a meta label of
-        the same shape and dtype.)
+        NOTE [ The whole step's budget ]
+          ``memory_budget`` is for everything a training step holds on the device; the
+          plan is verified on the model's forward and backward from its input, so what the
+          step holds besides is added here, and a plan's verified peak plus these bytes is
+          the step's verified peak (the one number printed for it, and what the measured
+          step peak is compared with):
+          - the optimizer state (AdamW: two moments and a step count per trainable weight;
+            SGD: one momentum buffer), alive through every step after the first;
+          - with ``accumulate`` > 1, the gradients summed so far, alive from the start of
+            every micro-batch after the first;
+          - DDP: its gradient buckets, allocated once and alive through the whole step;
+          - FSDP2: parameters, gradients and optimizer state divided by the world size,
+            plus the largest unit's unsharded parameters and gradients in flight; the plan
+            measured them whole, so the difference is given back to the step.
+          (The batch's label is in the planned step: the planning loss holds a meta label,
+          counted from the step's start like the input, ``instrument/step.held_tensors``.)
         """
         weights = [p for p in self.model.parameters() if p.requires_grad]
         trainable = sum(p.numel() * p.element_size() for p in weights)
@@ -51,16 +59,25 @@ class StepPlans:
             optimizer = 2 * trainable + 4 * len(weights)
         else:
             optimizer = trainable
+        accumulated = trainable if self.settings.accumulate > 1 else 0
         if self.world.mode == "ddp":
-            return optimizer + trainable
+            return optimizer + accumulated + trainable
         if self.world.mode == "fsdp":
             size = self.world.size
             everything = sum(p.numel() * p.element_size() for p in self.model.parameters())
             units = [sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1)
                          for p in child.parameters()) for child in self.model.children()]
             sharded = (everything + trainable) * (size - 1) // size
-            return optimizer // size - max(0, sharded - max(units, default=0))
-        return optimizer
+            return ((optimizer + accumulated) // size
+                    - max(0, sharded - max(units, default=0)))
+        return optimizer + accumulated
+
+    def verified_step_peak(self, shape: Shape) -> int | None:
+        """The step's verified peak (NOTE [ The whole step's budget ]), None without a plan."""
+        plan = self.plans.get(shape)
+        if plan is None or plan.verified_peak_bytes is None:
+            return None
+        return plan.verified_peak_bytes + self.extra_bytes(shape)
 
     def make_plans(self) -> dict[Shape, Plan | None]:
         """One verified plan per distinct input shape; distributed: made on rank 0 and
@@ -103,12 +120,13 @@ class StepPlans:
             started = time.perf_counter()
             loss_fn = self.planning_loss(shape)
             extra = self.extra_bytes(shape)
+            held = "optimizer state" + (" and summed gradients" if s.accumulate > 1 else "")
             unplanned = remat3d.profile(self.model, shape, amp=amp, loss_fn=loss_fn).peak_bytes
             budget = resolve_budget(s.memory_budget, unplanned + extra)
             if budget <= extra:
                 raise BudgetError(
                     f"memory_budget {s.memory_budget!r} ({format_bytes(budget)}) does not even "
-                    f"hold the optimizer state ({format_bytes(extra)}) of a "
+                    f"hold the {held} ({format_bytes(extra)}) of a "
                     f"{format_shape(shape)} step; the unplanned step needs "
                     f"{format_bytes(unplanned + extra)}. Raise the budget."
                 )
@@ -119,14 +137,14 @@ class StepPlans:
             except BudgetError as exc:
                 raise BudgetError(
                     f"memory_budget {s.memory_budget!r} = {format_bytes(budget)} for the "
-                    f"whole step, of which {format_bytes(extra)} is optimizer state; "
+                    f"whole step, of which {format_bytes(extra)} is {held}; "
                     f"for the rest: {exc}"
                 ) from None
             self.plans[shape] = plan
             self.say(f"plan for {format_shape(shape)} ({s.strategy}): budget "
-                     f"{format_bytes(budget)} = {format_bytes(extra)} optimizer state"
+                     f"{format_bytes(budget)} = {format_bytes(extra)} {held}"
                      f" + {format_bytes(budget - extra)} for the step; {len(plan.regions)} "
-                     "regions; verified peak "
+                     "regions; verified step peak "
                      f"{format_bytes((plan.verified_peak_bytes or 0) + extra)}"
                      f" (unplanned {format_bytes(unplanned + extra)}); recompute "
                      f"{(plan.recompute_flops or 0) / 1e9:.2f} GFLOP; planned in "

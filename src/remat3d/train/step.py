@@ -54,9 +54,11 @@ class Steps:
         shape = tuple(sample.image.shape)
         state = [t for st in self.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor)]
-        # measured once per shape, on a step where the optimizer state already exists
-        track = self.device.type != "cuda" and (shape not in self.peaks
-                                                or shape not in self._peak_final)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # measured per shape until a step that holds all a step can hold has been: the
+        # optimizer state exists, and (accumulating) the gradients summed so far; the
+        # largest measured peak is reported
+        track = self.device.type != "cuda" and shape not in self._peak_final
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker = None
@@ -66,7 +68,7 @@ class Steps:
             tracker = MemoryTracker(self.device)
             tracker.register_model(self.model)
             tracker.register([sample.image, sample.label], "input")
-            tracker.register(state, "optimizer")
+            tracker.register(state, "optimizer")  # (and register_model: gradients so far)
         with tracker if tracker is not None else contextlib.nullcontext():
             # DDP all-reduces gradients in backward; between accumulated micro-batches it must
             # not (no_sync), only at the last one
@@ -76,12 +78,13 @@ class Steps:
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
                 del scaled
         if tracker is not None:
-            self.peaks[shape] = tracker.peak_bytes
-            if state:
+            self.peaks[shape] = max(self.peaks.get(shape, 0), tracker.peak_bytes)
+            if state and (grads or self.settings.accumulate == 1):
                 self._peak_final.add(shape)
             tracker.close()
         elif self.device.type == "cuda":
-            self.peaks[shape] = torch.cuda.max_memory_allocated(self.device)
+            self.peaks[shape] = max(self.peaks.get(shape, 0),
+                                    torch.cuda.max_memory_allocated(self.device))
         return float(loss.detach())
 
     def _loss(self, sample: Sample, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

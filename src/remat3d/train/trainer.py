@@ -58,6 +58,9 @@ def train(settings: TrainSettings, *, resume: bool = False, overwrite: bool = Fa
             return trainer.fit(resume=resume, overwrite=overwrite,
                                interrupt_after=interrupt_after)
         finally:
+            # (a finished fit() ends with a barrier: every rank is past its last
+            # collective before the group is destroyed; after an error, no barrier: the
+            # other ranks may be gone)
             if trainer.world.enabled:
                 import torch.distributed as dist
 
@@ -199,6 +202,8 @@ class Trainer(StepPlans, Steps, Validation, Fitting):
                     "swinunetr, unetr)."
                 )
             in_channels = int(s.model_kwargs.get("in_channels", preset.in_channels))
+            if set(s.model_kwargs) - zoo.SIZE_NEUTRAL_KWARGS:  # strides, depth: ask it
+                return probe_geometry(self.model, in_channels, s.divisible_by)
             divisor = s.divisible_by or preset.divisor
             probed = probe_geometry(self.model, in_channels, divisible_by=divisor)
             return Geometry(in_channels, probed.out_channels, divisor, preset.min_size,

@@ -23,11 +23,17 @@ downsamplings); got 1x1x100x128x128 (D=100 is not). Pad to 1x1x128x128x128.
 """
 
 from remat3d.zoo.presets import PRESETS, Preset, get_preset, preset_names
-from remat3d.zoo.shapes import check_input_shape, legal_shape, smallest_input_shape
+from remat3d.zoo.shapes import (
+    SIZE_NEUTRAL_KWARGS,
+    check_input_shape,
+    legal_shape,
+    smallest_input_shape,
+)
 from remat3d.zoo.specs import build_model, parse_model_kwargs
 
 __all__ = [
     "PRESETS",
+    "SIZE_NEUTRAL_KWARGS",
     "Preset",
     "build_model",
     "check_input_shape",

@@ -10,7 +10,13 @@ from remat3d.errors import InputShapeError
 from remat3d.units import format_shape
 from remat3d.zoo.presets import Preset, get_preset
 
-__all__ = ["check_input_shape", "legal_shape", "smallest_input_shape"]
+__all__ = ["SIZE_NEUTRAL_KWARGS", "check_input_shape", "legal_shape", "smallest_input_shape"]
+
+# model kwargs that cannot change which input sizes a preset's network takes (any other,
+# strides, depth, kernels, may: those shapes are checked on the network built)
+SIZE_NEUTRAL_KWARGS = frozenset({
+    "in_channels", "out_channels", "n_input_channels", "num_classes", "dropout",
+    "dropout_prob", "dropout_rate", "act", "act_name", "norm", "norm_name", "bias"})
 
 
 # --------------------------------------------------------------------------- shapes
@@ -42,12 +48,15 @@ def check_input_shape(
     preset: str | Preset,
     shape: tuple[int, ...],
     model_kwargs: Mapping[str, Any] | None = None,
+    divisibility: bool = True,
 ) -> None:
     """Raise :class:`InputShapeError` unless ``shape`` (B, C, D, H, W) suits the preset.
 
     ``model_kwargs`` are the kwargs the model is built with; an ``in_channels`` there
     (``n_input_channels`` for resnet3d) replaces the preset's default channel count. The
-    divisibility rule is the preset's default one (overriding strides can change it).
+    divisibility rule is the preset's default one; with kwargs that change the network's
+    geometry (strides, depth) pass ``divisibility=False`` and check the built network
+    (``data.padding.probe_geometry``) instead.
     """
     preset = get_preset(preset)
     shape = tuple(int(s) for s in shape)
@@ -66,7 +75,7 @@ def check_input_shape(
             f"the input {in_channels} channel(s)."
         )
     fixed = legal_shape(preset, shape)
-    if fixed == shape:
+    if fixed == shape or not divisibility:
         return
     spatial = dict(zip("DHW", shape[2:]))
     small = [axis for axis, size in spatial.items() if size < preset.min_size]
