@@ -71,6 +71,8 @@ def corrupt(kind, root):
         write_volume(root / "data" / "labelsTr" / "case0.nii.gz", label)
     elif kind == "empty":
         (root / "data" / "dataset.json").write_text('{"training": []}')
+    elif kind == "renamed":  # a text file under a NIfTI name
+        (images / "case0.nii.gz").write_text("patient notes, not an image\n" * 20)
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -81,6 +83,9 @@ def corrupt(kind, root):
     ("channels", r"case0.nii.gz.\) has 2 channel\(s\) but the model takes 1"),
     ("small", r"case0.*3x20x16 voxels.*at least 8"),
     ("empty", r"lists no training cases"),
+    # issue 19 point 5: MONAI's advice to install reader libraries, cut off mid-URL
+    ("renamed", r"case0\.nii\.gz' as an image: no image reader recognises its contents\. "
+                r"The file may be truncated, or not a NIfTI file"),
 ])
 def test_bad_data_is_one_line_before_training(data, kind, message):
     import re
@@ -89,7 +94,9 @@ def test_bad_data_is_one_line_before_training(data, kind, message):
     result = runner.invoke(app, ["train", str(config(data))])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and "error:" in result.output
-    assert re.search(message, " ".join(result.output.split())), result.output
+    text = " ".join(result.output.split())
+    assert re.search(message, text), result.output
+    assert "install" not in text and "https://" not in text
     assert not (data / "run" / "state.pt").exists()  # refused before training started
 
 

@@ -207,3 +207,23 @@ def test_fp16_with_grad_scaler_and_a_model_given_as_a_class(workspace):
     result = trainer.fit()
     assert result.steps == 3 and all(np.isfinite(result.losses))
     assert trainer.scaler.get_scale() > 0
+
+
+def test_a_damaged_state_file_is_named_in_whole_sentences(tmp_path):
+    """issue 19 point 5: torch's message was quoted cut at 200 characters, mid-word."""
+    from remat3d.errors import SettingsError
+    from remat3d.train.state import STATE_FILE, load_state
+
+    path = tmp_path / STATE_FILE
+    path.write_bytes(b"not a checkpoint" * 50)
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises, quoted below
+        theirs = " ".join(str(exc).split())
+    with pytest.raises(SettingsError) as info:
+        load_state(tmp_path)
+    text = str(info.value)
+    assert text.startswith(f"Cannot read training state '{path}'")
+    quoted = text.split(": ", 2)[-1]
+    assert theirs.startswith(quoted) and len(quoted) < len(theirs)
+    assert quoted.endswith(".") and theirs[len(quoted):].startswith(" ")  # whole sentences

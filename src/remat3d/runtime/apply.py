@@ -63,6 +63,9 @@ class AppliedPlan:
     group: int = 0
     prefetch: dict[int, list[Any]] = field(default_factory=dict)
     logger: Any = None  # the saved-tensor log active during the current forward
+    # storage id -> weakref, of the parameters and buffers when the plan was applied (kept
+    # whatever the step does; walking the module tree at every forward costs time)
+    weights: dict[int, Any] = field(default_factory=dict)
     root_forward: Any = None  # the model's instance forward before apply (usually none)
 
 
@@ -108,6 +111,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         host=HostUsage(budget_bytes=plan.host_budget_bytes),
     )
     register_module_names(model)
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        state.weights[id(storage)] = weakref.ref(storage)
     for name, regions in by_module.items():
         module = modules[name]
         state.originals[name] = module.__dict__.get("forward")
@@ -193,8 +199,6 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, state: AppliedPlan) -> None:
         self.state = state
         self.kept: dict[int, Any] = {}  # storage id -> weakref: saved by now
-        for t in (*state.model.parameters(), *state.model.buffers()):
-            self._keep(t)
         self.recipes = (RebuildRecorder(self._is_kept) if state.plan.rebuild_saved
                         else None)
         super().__init__(self._pack, _unpack)
@@ -204,7 +208,7 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
         self.kept[id(storage)] = weakref.ref(storage)
 
     def _is_kept(self, storage_id: int) -> bool:
-        ref = self.kept.get(storage_id)
+        ref = self.kept.get(storage_id) or self.state.weights.get(storage_id)
         return ref is not None and ref() is not None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | Rebuilt:

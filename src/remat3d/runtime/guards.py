@@ -7,9 +7,10 @@ NOTE [ Exact recomputation ]
   1. ``BufferGuard``: modules with running buffers (BatchNorm) update them in every
      training-mode forward. During recomputation the buffers of the region's module and
      its submodules (for a region on a plain function: of every module called, on first
-     call) are snapshotted and restored when recomputation ends, so running statistics
-     change exactly once per step, bitwise. (A module region that calls a module outside
-     its own subtree, one it does not own, is not covered: make the region on a function.)
+     call) are copied, and their values put back when recomputation ends, so running
+     statistics change exactly once per step, bitwise.
+     (A module region that calls a module outside its own subtree, one it does not own,
+     is not covered: make the region on a function.)
   2. Divergence, named. By default nothing runs per op: like ``torch.utils.checkpoint``,
      each tensor the forward saves for backward is noted with its shape, dtype and device
      (``SavedMeta``, through torch's own determinism check), and the recomputation must
@@ -108,24 +109,33 @@ class BufferGuard:
             modules.on_enter.append(self.snapshot)
 
     def snapshot(self, module: nn.Module) -> None:
+        with torch.no_grad(), _disable_current_modes():
+            self._copy(module)
+
+    def _copy(self, module: nn.Module) -> None:
         for name, buf in module._buffers.items():
             key = (id(module), name)
             if buf is None or key in self._saved:
                 continue
-            with torch.no_grad(), _disable_current_modes():
-                self._saved[key] = (module, name, buf, buf.detach().clone())
+            self._saved[key] = (module, name, buf, buf.detach().clone())
 
     def __enter__(self) -> BufferGuard:
         if self._root is not None:
-            for module in _with_buffers(self._root):
-                self.snapshot(module)
+            modules = _with_buffers(self._root)
+            if modules:
+                with torch.no_grad(), _disable_current_modes():
+                    for module in modules:
+                        self._copy(module)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with torch.no_grad(), _disable_current_modes():
-            for module, name, original, copy in self._saved.values():
-                module._buffers[name] = original
-                original.copy_(copy)
+        # the values written into the buffers are undone in place: code that holds a
+        # buffer itself (tiled runs update running statistics once) sees them restored
+        if self._saved:
+            with torch.no_grad(), _disable_current_modes():
+                for module, name, original, copy in self._saved.values():
+                    module._buffers[name] = original
+                    original.copy_(copy)
         self._saved = {}
 
 
