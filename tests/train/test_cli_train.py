@@ -84,8 +84,8 @@ def corrupt(kind, root):
     ("small", r"case0.*3x20x16 voxels.*at least 8"),
     ("empty", r"lists no training cases"),
     # issue 19 point 5: MONAI's advice to install reader libraries, cut off mid-URL
-    ("renamed", r"case0\.nii\.gz' as an image: no image reader recognises its contents\. "
-                r"The file may be truncated, or not a NIfTI file"),
+    ("renamed", (r"case0\.nii\.gz' as an image: no image reader recognises its contents\. "
+                 r"The file may be truncated, or not a NIfTI file")),
 ])
 def test_bad_data_is_one_line_before_training(data, kind, message):
     import re
