@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from remat3d.errors import BudgetError, Remat3dError
-from remat3d.instrument.step import meta_copy
+from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.searching import Measured, Problem, search
@@ -175,24 +175,16 @@ def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
     def tileable() -> list[bool]:
         from remat3d.runtime.tiling.probe import tileable as probe
 
-        return probe(model, [tuple(x.shape) for x in examples], amp,
-                     [(st.name, st.call_index) for st in stages.stages])
+        return probe(model, examples, amp, [(st.name, st.call_index) for st in stages.stages])
 
     return verifier, tileable
 
 
 def _meta_examples(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:
-    """The example inputs as meta tensors, dtypes kept: a tensor's own, and for a shape the
-    model's floating-point parameters' (a model in pure bf16 takes bf16 inputs)."""
-    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    examples = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            examples.append(torch.empty(tuple(x.shape), dtype=x.dtype, device="meta"))
-        else:
-            examples.append(torch.empty(tuple(x), dtype=floats[0] if floats else None,
-                                        device="meta"))
-    return examples
+    """The example inputs as meta tensors without gradients, dtypes kept (a shape takes
+    the model's: ``instrument.step.input_dtype``)."""
+    dtype = input_dtype(model)
+    return [example_input(x, "meta", dtype).detach() for x in inputs]
 
 
 class _FunctionKey:

@@ -173,48 +173,58 @@ def test_torch_debug_mode_is_honoured_not_refused():
     assert torch.utils.checkpoint._checkpoint_debug_enabled is None
 
 
-class _Flaky(nn.Module):
-    """Same shapes, another op, in the recomputation."""
+class _Diverging(nn.Module):
+    """A block whose forward runs ``first`` on its first call and ``later`` after it: a
+    forward that depends on a counter, as its recomputation sees it."""
 
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv3d(1, 1, 3, padding=1)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return self.conv(x) if self.calls == 1 else self.conv(x * 2)
-
-
-def test_determinism_check_none_is_off_and_debug_compares_ops():
-    x = torch.randn(1, 1, 4, 4, 4, requires_grad=True)
-    remat3d.checkpoint(_Flaky(), x, determinism_check="none").sum().backward()
-    for kwargs in ({"debug": True}, {"determinism_check": "ops"}):
-        y = remat3d.checkpoint(_Flaky(), x, **kwargs)
-        with pytest.raises(RecomputeDivergedError, match="aten.mul"):
-            y.sum().backward()
-    with pytest.raises(Remat3dError, match="determinism_check='sometimes'"):
-        remat3d.checkpoint(_Flaky(), x, determinism_check="sometimes")
-
-
-class _Pools(nn.Module):
-    """Another shape in the recomputation: pools before its convolution."""
-
-    def __init__(self):
+    def __init__(self, first, later):
         super().__init__()
         self.conv = nn.Conv3d(1, 1, 3, padding=1)
         self.pool = nn.MaxPool3d(2)
         self.calls = 0
+        self.first, self.later = first, later
 
     def forward(self, x):
         self.calls += 1
-        return self.conv(x if self.calls == 1 else self.pool(x)).relu()
+        return (self.first if self.calls == 1 else self.later)(self, x)
+
+
+def _flaky() -> _Diverging:
+    """Same shapes, another op, in the recomputation."""
+    return _Diverging(lambda m, x: m.conv(x), lambda m, x: m.conv(x * 2))
+
+
+def test_diverging_recomputation_names_the_op_and_module():
+    from remat3d.instrument.state import register_module_names
+
+    model = nn.Sequential(_flaky())
+    register_module_names(model)
+    x = torch.randn(1, 1, 4, 4, 4, requires_grad=True)
+    y = remat3d.checkpoint(model, x, name="flaky-block", determinism_check="ops")
+    with pytest.raises(RecomputeDivergedError) as info:
+        y.sum().backward()
+    text = str(info.value)
+    assert "flaky-block" in text and "op #0" in text and "aten.mul" in text
+    assert "aten.convolution" in text and "module '0'" in text
+
+
+def test_determinism_check_none_is_off_and_debug_compares_ops():
+    x = torch.randn(1, 1, 4, 4, 4, requires_grad=True)
+    remat3d.checkpoint(_flaky(), x, determinism_check="none").sum().backward()
+    for kwargs in ({"debug": True}, {"determinism_check": "ops"}):
+        y = remat3d.checkpoint(_flaky(), x, **kwargs)
+        with pytest.raises(RecomputeDivergedError, match="aten.mul"):
+            y.sum().backward()
+    with pytest.raises(Remat3dError, match="determinism_check='sometimes'"):
+        remat3d.checkpoint(_flaky(), x, determinism_check="sometimes")
 
 
 def test_default_check_names_the_op_and_module_at_no_cost_per_op():
     from remat3d.instrument.state import register_module_names
 
-    model = nn.Sequential(_Pools())
+    # another shape in the recomputation: it pools before its convolution
+    model = nn.Sequential(_Diverging(lambda m, x: m.conv(x).relu(),
+                                     lambda m, x: m.conv(m.pool(x)).relu()))
     register_module_names(model)
     x = torch.randn(1, 1, 4, 4, 4, requires_grad=True)
     y = remat3d.checkpoint(model, x, name="pooling-block")
@@ -227,19 +237,9 @@ def test_default_check_names_the_op_and_module_at_no_cost_per_op():
 
 
 def test_default_check_names_a_recomputation_that_saves_fewer_tensors():
-    class Shorter(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv3d(1, 1, 3, padding=1)
-            self.calls = 0
-
-        def forward(self, x):
-            self.calls += 1
-            y = self.conv(x)
-            return y.sigmoid() if self.calls == 1 else y
-
     x = torch.randn(1, 1, 4, 4, 4, requires_grad=True)
-    y = remat3d.checkpoint(Shorter(), x, name="short")
+    shorter = _Diverging(lambda m, x: m.conv(x).sigmoid(), lambda m, x: m.conv(x))
+    y = remat3d.checkpoint(shorter, x, name="short")
     with pytest.raises(RecomputeDivergedError, match="short.*fewer"):
         y.sum().backward()
 

@@ -95,16 +95,15 @@ def build(model: str, input: str | None, model_kwargs: str | None) -> tuple[Any,
 def _check_probed_shape(net: Any, shape: tuple[int, ...], model: str) -> None:
     """``shape`` against the divisor and smallest edge of the network actually built
     (``data.padding.probe_geometry``: found on meta)."""
-    from remat3d.data.padding import probe_geometry
+    from remat3d.data.padding import padded_shape, probe_geometry
     from remat3d.errors import InputShapeError
     from remat3d.units import format_shape
 
     geometry = probe_geometry(net, shape[1])
     k, smallest = geometry.divisor, geometry.min_size
-    spatial = shape[2:]
-    if all(e % k == 0 and e >= smallest for e in spatial):
+    fixed = (*shape[:2], *padded_shape(tuple(shape[2:]), k, smallest))
+    if fixed == tuple(shape):
         return
-    fixed = (*shape[:2], *(max(smallest, -(-e // k) * k) for e in spatial))
     raise InputShapeError(
         f"{model} with these model kwargs needs every spatial size divisible by {k} and at "
         f"least {smallest} (found by probing the network they build); got "

@@ -72,7 +72,15 @@ def model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-def _as_input(x: Any, device: str) -> Any:
+def input_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype an input given only by its shape takes: the model's floating-point
+    parameters' (a model in pure bf16 takes bf16 inputs); None, the default, without any."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def example_input(x: Any, device: str, dtype: torch.dtype | None = None) -> Any:
+    """A step's input on ``device``: a tensor moved there (its dtype kept), or for a shape
+    a new tensor of ``dtype`` (random off meta); anything else as it is."""
     if isinstance(x, torch.Tensor):
         if x.device.type == "meta" and device != "meta":
             raise Remat3dError(
@@ -84,8 +92,8 @@ def _as_input(x: Any, device: str) -> Any:
         return y.requires_grad_(x.requires_grad)
     if isinstance(x, (tuple, list, torch.Size)) and x and all(isinstance(s, int) for s in x):
         if device == "meta":
-            return torch.empty(tuple(x), device="meta")
-        return torch.randn(tuple(x), device=device)
+            return torch.empty(tuple(x), device="meta", dtype=dtype)
+        return torch.randn(tuple(x), device=device, dtype=dtype)
     return x
 
 
@@ -132,7 +140,8 @@ def prepare_step(
         step_model, in_place = model, True
     else:
         step_model, in_place = copy.deepcopy(model).to(dev), False
-    step_inputs = tuple(_as_input(x, dev) for x in inputs)
+    dtype_of_shapes = input_dtype(step_model)
+    step_inputs = tuple(example_input(x, dev, dtype_of_shapes) for x in inputs)
     return StepSetup(step_model, step_inputs, dev, dtype, loss_fn or default_loss, in_place)
 
 

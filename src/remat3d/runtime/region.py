@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -106,6 +107,8 @@ class _Region:
         self.context_fn = context_fn
         self.saves = ForwardSaves(self._mismatch) if check != "none" else None
         self.recorder: OpRecorder | None = None
+        self.caching: Any = None  # the selective-checkpoint modes (with a policy)
+        self.cached: Any = None
         self.meta_amp = active_meta_autocast()
         # the recomputation's inputs (held weakly: torch frees them when the recomputation
         # and its check are done, and rebuilt inputs must not outlive that) and autocast
@@ -139,7 +142,6 @@ class _Region:
         user_forward, user_recompute = (self.context_fn() if self.context_fn is not None
                                         else (None, None))
         forward: list[Any] = [] if self.saves is None else [self.saves]
-        self.caching = self.cached = None
         if self.policy_fn is not None:
             self.caching, self.cached = selective_contexts(self.policy_fn)
             forward.append(self.caching)
@@ -282,7 +284,6 @@ class _RecomputeFlag:
 
 _CHECKS = ("default", "ops", "none")
 _TORCH_CHECK = "remat3d"  # our metadata function in torch's determinism-check table
-_registered: list[bool] = []
 _op_by_op = contextvars.ContextVar("remat3d_op_by_op_checks", default=False)
 
 
@@ -314,9 +315,13 @@ def _check_mode(value: Any, debug: bool) -> str:
 def _torch_check(check: str) -> str:
     if check == "none":
         return "none"
-    if not _registered:
-        _registered.append(register_determinism_check(_TORCH_CHECK, saved_metadata))
-    return _TORCH_CHECK if _registered[0] else "default"
+    return _TORCH_CHECK if _registered() else "default"
+
+
+@functools.cache
+def _registered() -> bool:
+    """remat3d's metadata function is in torch's determinism-check table (once)."""
+    return register_determinism_check(_TORCH_CHECK, saved_metadata)
 
 
 def checkpoint(

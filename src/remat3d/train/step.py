@@ -54,17 +54,17 @@ class Steps:
         shape = tuple(sample.image.shape)
         state = [t for st in self.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor)]
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # measured per shape until a step that holds all a step can hold has been: the
         # optimizer state exists, and (accumulating) the gradients summed so far; the
         # largest measured peak is reported
         track = self.device.type != "cuda" and shape not in self._peak_final
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = None
+        tracker, summed = None, False
         if track:
             from remat3d.instrument.tracker import MemoryTracker
 
+            summed = any(p.grad is not None for p in self.model.parameters())
             tracker = MemoryTracker(self.device)
             tracker.register_model(self.model)
             tracker.register([sample.image, sample.label], "input")
@@ -79,7 +79,7 @@ class Steps:
                 del scaled
         if tracker is not None:
             self.peaks[shape] = max(self.peaks.get(shape, 0), tracker.peak_bytes)
-            if state and (grads or self.settings.accumulate == 1):
+            if state and (summed or self.settings.accumulate == 1):
                 self._peak_final.add(shape)
             tracker.close()
         elif self.device.type == "cuda":

@@ -18,13 +18,13 @@ from torch import nn
 
 from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.state import recomputing
-from remat3d.instrument.step import meta_copy
+from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.runtime.tiling.trace import TilingError, trace
 
 __all__ = ["tileable"]
 
 
-def tileable(model: nn.Module, shapes: Sequence[Sequence[int]], amp: str | None,
+def tileable(model: nn.Module, examples: Sequence[torch.Tensor | Sequence[int]], amp: str | None,
              invocations: Sequence[tuple[str, int]]) -> list[bool]:
     """For each ``(module name, call index)``: can that invocation run tiled?"""
     copy_ = meta_copy(model)
@@ -63,9 +63,8 @@ def tileable(model: nn.Module, shapes: Sequence[Sequence[int]], amp: str | None,
             handles.append(modules[name].register_forward_pre_hook(hook(name),
                                                                    with_kwargs=True))
     try:
-        floats = [p.dtype for p in copy_.parameters() if p.is_floating_point()]
-        inputs = [torch.empty(tuple(s), device="meta", dtype=floats[0] if floats else None)
-                  for s in shapes]
+        dtype = input_dtype(copy_)
+        inputs = [example_input(x, "meta", dtype).detach() for x in examples]
         dtype = amp_dtype(amp)
         with torch.no_grad(), MetaAutocast(dtype) if dtype else contextlib.nullcontext():
             copy_(*inputs)
