@@ -1,11 +1,18 @@
-"""The tracker against an independent measure (the CPU allocator) for every zoo preset."""
+"""The tracker against independent measures: the CPU allocator for every zoo preset, and
+the storages' own reference counts for a user's training loop."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+import remat3d
 from remat3d import zoo
 from remat3d.bench.tracker_report import validate_preset
+from remat3d.instrument.step import meta_copy
 
 SLOW = {"swinunetr"}  # about a minute of CPU; run with -m slow
 
@@ -18,3 +25,58 @@ def test_tracker_matches_allocator_and_flops_match_flop_counter(name):
     assert row.tracker_flops == row.flop_counter_flops
     # scratch inside kernels can only add to what lives at op boundaries
     assert row.allocator_peak_with_scratch >= row.allocator_peak
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Live bytes from the storages' own reference counts (not the tracker's finalizers):
+    every storage an op reads or makes, alive until its C++ storage is."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+        self._add(tensors)
+
+    def _add(self, tensors):
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                self.refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._add((out, args, kwargs))
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
+        return out
+
+
+def _loop_peak(model, shape):
+    """The peak of a user's step, ``out = model(x); loss = ...; loss.backward()``."""
+    x = torch.empty(shape, device="meta")
+    counter = _LiveStorages([*model.parameters(), *model.buffers(), x])
+    with counter:
+        out = model(x)
+        loss = out.float().mean()
+        loss.backward()
+    del out, loss
+    return counter.peak
+
+
+def test_verified_peak_is_that_of_a_loop_holding_its_output():
+    # Two output classes at full resolution and a peak in backward: a step that dropped its
+    # output after the loss verified an output's size (16 MiB at 128³) below this loop.
+    from monai.networks.nets import AttentionUnet
+
+    def build():
+        torch.manual_seed(0)
+        return meta_copy(AttentionUnet(3, 1, 2, channels=(4, 8, 16, 32), strides=(2, 2, 2)))
+
+    shape = (1, 1, 32, 32, 32)
+    unplanned = build()
+    assert remat3d.measure(unplanned, shape, device="meta").peak_bytes == \
+        _loop_peak(build(), shape)
+
+    plan = remat3d.plan(build(), shape, budget="0.8x")
+    planned = remat3d.apply(build(), plan)
+    assert _loop_peak(planned, shape) == plan.verified_peak_bytes <= plan.budget_bytes

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from remat3d.errors import Remat3dError
-from remat3d.instrument.step import forward_loss, prepare_step, tracked_forward_backward
+from remat3d.instrument.step import forward_backward, prepare_step, tracked_forward_backward
 from remat3d.instrument.tracker import MemoryTracker
 
 __all__ = [
@@ -116,7 +116,7 @@ def _measure(model: nn.Module, shape: tuple[int, ...], device: str, amp: str | N
     setup = prepare_step(model, [shape], device, amp, None)
     start = counters["stats"]["unique_graphs"]
     if compiled:  # compile on an untracked step (NOTE rule 1)
-        forward_loss(setup).backward()
+        forward_backward(setup)
         for p in model.parameters():
             p.grad = None
     before = counters["stats"]["unique_graphs"]

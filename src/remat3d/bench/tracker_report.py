@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from remat3d import zoo
 from remat3d.graph import atomic_write_text
 from remat3d.instrument.reference import allocator_measure
-from remat3d.instrument.step import forward_loss, prepare_step, preserved_state, run_step
+from remat3d.instrument.step import forward_backward, prepare_step, preserved_state, run_step
 from remat3d.units import format_shape
 
 __all__ = ["ValidationRow", "main", "validate_preset"]
@@ -61,7 +61,7 @@ def validate_preset(name: str, size: int = 32) -> ValidationRow:
         for p in model.parameters():
             p.grad = None
         with counter:
-            forward_loss(setup).backward()
+            forward_backward(setup)
     return ValidationRow(
         preset=preset.name,
         shape=tuple(shape),

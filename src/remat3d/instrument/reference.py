@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from remat3d.errors import Remat3dError
-from remat3d.instrument.step import StepSetup, forward_loss, preserved_state
+from remat3d.instrument.step import StepSetup, forward_backward, preserved_state
 
 __all__ = ["AllocatorMeasure", "allocator_measure"]
 
@@ -64,7 +64,7 @@ def allocator_measure(setup: StepSetup) -> AllocatorMeasure:
         tensors += [x for x in setup.inputs if isinstance(x, torch.Tensor)]
         resident = _resident_bytes(tensors)
         with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            forward_loss(setup).backward()
+            forward_backward(setup)
     events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
     allocations = sorted(
         (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"

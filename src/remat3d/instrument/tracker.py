@@ -51,12 +51,13 @@ __all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEv
 
 HOST = "cpu"  # where host-resident tensors of a meta step are booked
 
-PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "optimizer", "saved",
-                   "transient")
+PEAK_CATEGORIES = ("parameters", "buffers", "inputs", "outputs", "gradients", "optimizer",
+                   "saved", "transient")
 _CATEGORY_OF = {
     "param": "parameters",
     "buffer": "buffers",
     "input": "inputs",
+    "output": "outputs",  # the model's output, held through backward (step.py's NOTE)
     "grad": "gradients",
     "optimizer": "optimizer",  # optimizer state registered by a training loop
     "saved": "saved",
@@ -153,8 +154,14 @@ class MemoryTracker(TorchDispatchMode):
         self.register(list(model.buffers()), "buffer")
         self.register([p.grad for p in model.parameters() if p.grad is not None], "grad")
 
-    def mark_forward_end(self) -> None:
-        """Everything alive now that forward made is what the autograd graph keeps."""
+    def mark_forward_end(self, output: Any = None) -> None:
+        """Everything alive now that forward made is what the autograd graph keeps, but
+        the model's ``output``: the caller holds it through backward whether or not the
+        loss saved it, so no plan can free it (labelled ``"output"``)."""
+        for t in tree_leaves(output):
+            record = self.ledger.lookup(t) if isinstance(t, torch.Tensor) else None
+            if record is not None and record.category == "activation":
+                record.category = "output"
         self.saved_records = [
             r for r in self.ledger.records.values()
             if r.device == self.device and r.category == "activation"

@@ -74,8 +74,9 @@ def check_plan_gradients(model: nn.Module, plan: Plan, inputs: torch.Tensor,
             tracker.register_model(net)
             tracker.register([inputs], "input")
         with tracker if tracker is not None else contextlib.nullcontext():
-            loss = _loss(net)
+            output, loss = _loss(net)
             loss.backward()
+            del output
         if tracker is not None:
             key = "planned" if planned else "unplanned"
             peaks[key] = tracker.peak_bytes
@@ -85,11 +86,12 @@ def check_plan_gradients(model: nn.Module, plan: Plan, inputs: torch.Tensor,
         tensors.update({f"buffer {n}": b for n, b in net.named_buffers()})
         return loss.detach(), tensors
 
-    def _loss(net: nn.Module) -> torch.Tensor:
-        # the output is dropped once the loss holds what it needs, as in a training step
+    def _loss(net: nn.Module) -> tuple[Any, torch.Tensor]:
+        # the output held through backward, as in a training step (instrument/step.py,
+        # NOTE [ What a step holds ])
         with autocast() if autocast is not None else contextlib.nullcontext():
             output = net(inputs)
-        return loss_fn(output)
+        return output, loss_fn(output)
 
     rng = torch.get_rng_state()
     loss_a, plain = step(False)

@@ -74,9 +74,9 @@ class Steps:
             # not (no_sync), only at the last one
             no_sync = getattr(self.engine, "no_sync", None)
             with no_sync() if (no_sync is not None and not sync) else contextlib.nullcontext():
-                loss, scaled = self._loss(sample, scale)
+                output, loss, scaled = self._loss(sample, scale)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-                del scaled
+                del output, scaled
         if tracker is not None:
             self.peaks[shape] = max(self.peaks.get(shape, 0), tracker.peak_bytes)
             if state and (summed or self.settings.accumulate == 1):
@@ -87,13 +87,13 @@ class Steps:
                                     torch.cuda.max_memory_allocated(self.device))
         return float(loss.detach())
 
-    def _loss(self, sample: Sample, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # The output is not held past the loss, as in the step the plan was verified on:
-        # a live reference would keep it through backward, beyond the budget.
+    def _loss(self, sample: Sample, scale: float) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        # The output is held through backward, as in the step the plan was verified on
+        # (instrument/step.py, NOTE [ What a step holds ]): the step that runs is that one.
         with self.autocast():
             output = self.engine(sample.image)
         loss = self.loss_fn(output.float(), sample.label)
-        return loss.detach(), loss * scale
+        return output, loss.detach(), loss * scale
 
     def optimizer_step(self) -> None:
         if self.scaler is not None:
