@@ -11,6 +11,7 @@ import re
 
 __all__ = [
     "BudgetError",
+    "CaptureError",
     "DataError",
     "GraphError",
     "InPlaceInputError",
@@ -74,6 +75,11 @@ class PlanError(Remat3dError, ValueError):
 
 class GraphError(Remat3dError, ValueError):
     """A cost graph file is not one remat3d wrote (another schema)."""
+
+
+class CaptureError(Remat3dError, RuntimeError):
+    """A model's step could not be captured as one graph (a graph break, an op AOTAutograd
+    cannot trace); module plans still work."""
 
 
 class TilingError(Remat3dError, ValueError):

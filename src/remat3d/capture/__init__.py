@@ -1,0 +1,1 @@
+"""A model's training step as a graph of aten ops (``joint.py``), for graph plans."""

@@ -1,0 +1,284 @@
+"""The model's forward and backward as one aten graph, traced by AOTAutograd.
+
+NOTE [ Tracing the joint graph ]
+  1. ``functorch.compile.aot_module`` traces the model's forward with ``make_fx`` and
+     autograd's formulas into one functional graph of aten ops, forward then backward
+     (the *joint graph*), and hands it to a partition function, which splits it into the
+     forward graph and the backward graph and decides what the forward saves for the
+     backward: the place torch's own min-cut partitioner sits. remat3d's partition
+     function (``runtime/graph_run.py``) decides by the plan.
+  2. Tracing runs the model's Python ``forward`` as written, so the ops a parent's own
+     code runs (a ``torch.cat`` of a skip, an ``F.interpolate``, a residual ``+``) are
+     nodes like any other: the module tree does not bound what a plan can reach. No
+     dynamo: nothing is cached process-wide, there are no graph breaks; Python control
+     flow is taken as it goes for this input shape (a plan is for one shape anyway).
+  3. Tracing runs on fake tensors of the model's device (``cpu`` for a meta model): no
+     memory is allocated, so a 512³ step is traced on any machine, and each op takes the
+     device's own path. (Not meta tensors: traced from meta inputs, ``aten::prelu``'s
+     backward went missing from the joint graph, autograd only warning that "an autograd
+     kernel was not registered", so a PReLU network lost most of its gradients.)
+  4. What cannot be traced (control flow on a tensor's values, ``.item()``, an op with no
+     meta kernel) raises :class:`CaptureError` naming the cause; module plans need no
+     graph.
+  5. The graphs run op by op, the same aten kernels as eager, boxed (``_run_eagerly``):
+     each tensor, inputs included, is freed after its last use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from remat3d.errors import CaptureError, Remat3dError, quoted
+from remat3d.instrument.flops import op_flops
+from remat3d.opgraph import OpGraph, OpNode
+
+__all__ = ["Captured", "PartitionFn", "aot_step", "capture", "fake_step", "op_graph"]
+
+# (joint graph, its example inputs, number of forward outputs) -> (forward, backward)
+PartitionFn = Callable[[fx.GraphModule, Any, int], tuple[fx.GraphModule, fx.GraphModule]]
+
+
+@dataclass
+class Captured:
+    """A traced step: the plain-data graph and the joint FX graph it was read from."""
+
+    graph: OpGraph
+    joint: fx.GraphModule
+
+
+def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+    """``gm`` run op by op, taking its inputs as one list it empties (torch's boxed calling
+    convention): each input is freed after its last use, not held to the graph's end."""
+    from torch.fx.graph import _BoxedCodeGen  # what torch's own aot_eager backend uses
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    forward = gm.forward
+
+    def run(args: list) -> Any:
+        return forward(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def aot_step(model: nn.Module, partition: PartitionFn) -> Callable[..., Any]:
+    """A callable running ``model``'s class ``forward``, traced by AOTAutograd on its first
+    call, split by ``partition``, its graphs run eagerly (NOTE rules 1 and 5). It reads the
+    model's parameters and buffers at every call, so they stay the model's own."""
+    from functorch.compile import aot_function
+
+    forward = type(model).forward
+
+    def functional(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> Any:
+        # the class's forward: an instance whose forward is replaced by a plan is traced
+        # through its own code, not through the plan
+        with _swapped(model, {**params, **buffers}):
+            return forward(model, *args)
+
+    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                     **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        _unread_running_stats(joint)
+        return partition(joint, joint_inputs, num_fwd_outputs, **kwargs)
+
+    compiled: Callable[..., Any] | None = None
+
+    def run(*args: Any) -> Any:
+        nonlocal compiled
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        if compiled is None:
+            compiled = aot_function(functional, fw_compiler=_run_eagerly,
+                                    bw_compiler=_run_eagerly, partition_fn=partition_fn,
+                                    num_params_buffers=len(params) + len(buffers))
+        return compiled(params, buffers, *args)
+
+    return run
+
+
+def _unread_running_stats(joint: fx.GraphModule) -> None:
+    """BatchNorm's backward in training reads no running statistics, yet its aten op takes
+    them; as saved inputs of the backward they would be checked against their version
+    after the forward's buffer update bumped it ("modified by an inplace operation").
+    Passed as ``None`` (what the op accepts), the backward does not read them at all."""
+    for node in joint.graph.nodes:
+        if node.target is torch.ops.aten.native_batch_norm_backward.default and \
+                node.args[7] is True:
+            node.args = (*node.args[:3], None, None, *node.args[5:])
+    joint.graph.eliminate_dead_code()
+    joint.recompile()
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, tensors: dict[str, Any]) -> Iterator[None]:
+    """``model``'s parameters and buffers replaced by ``tensors`` (the tracer's), as
+    ``torch.func.functional_call`` does, around a call of the class's own forward."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(model, tensors):
+        yield
+
+
+@contextlib.contextmanager
+def tracing_errors(model: nn.Module) -> Iterator[None]:
+    """Turn what tracing raises into one :class:`CaptureError` (NOTE rule 4)."""
+    try:
+        yield
+    except Remat3dError:
+        raise
+    except Exception as exc:  # any tracing failure is reported the same way
+        raise CaptureError(
+            f"{type(model).__name__}'s step could not be traced as one graph: "
+            f"{type(exc).__name__}: {quoted(exc) or 'no message'} Graph plans need a "
+            "forward that AOTAutograd can trace (no control flow on tensor values, no "
+            ".item()); module plans (remat3d.plan without graph=True) work without one."
+        ) from exc
+
+
+def fake_step(model: nn.Module, inputs: tuple, device: str | None = None,
+              ) -> tuple[nn.Module, tuple]:
+    """A structural copy of ``model`` and ``inputs`` (tensors or shapes) made of fake
+    tensors on ``device`` (default: the model's, ``cpu`` for a meta model): nothing is
+    allocated, and ops take the device's own paths (NOTE rule 3)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat3d.instrument.step import input_dtype, model_device
+
+    if device is None:
+        found = model_device(model)
+        device = "cpu" if found is None or found.type == "meta" else str(found)
+    mode = FakeTensorMode()
+    target = torch.device(device)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        meta = torch.empty_like(t, device="meta")
+        return mode.fake_tensor_converter.from_meta_and_device(mode, meta, target)
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(fake(p), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = fake(b)
+    copied = copy.deepcopy(model, memo)
+    dtype = input_dtype(model)
+    fakes = tuple(
+        fake(x) if isinstance(x, torch.Tensor)
+        else fake(torch.empty(tuple(x), device="meta", dtype=dtype)) for x in inputs)
+    return copied, fakes
+
+
+def capture(model: nn.Module, *inputs: Any, device: str | None = None) -> Captured:
+    """Trace one step of ``model`` on ``inputs`` (tensors or shapes) and return its joint
+    graph. Runs on fake tensors (:func:`fake_step`): nothing is allocated, the model is
+    not changed."""
+    from torch._functorch.partitioners import default_partition
+
+    fake_model, fake_inputs = fake_step(model, inputs, device)
+    seen: dict[str, Any] = {}
+
+    def record(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+               **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        seen["joint"], seen["outputs"] = joint, num_fwd_outputs
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                 **kwargs)
+
+    params = list(fake_model.parameters())
+    buffers = list(fake_model.buffers())
+    versions = [b._version for b in buffers]
+    with tracing_errors(model):
+        aot_step(fake_model, record)(*fake_inputs)
+    if "joint" not in seen:
+        raise CaptureError(f"{type(model).__name__}'s forward made no output that needs a "
+                           "gradient, so there is no backward to trace.")
+    # the step updated these buffers in place (BatchNorm's statistics); the primals are
+    # the parameters, then the buffers, then the inputs (aot_step's order)
+    mutated = {f"primals_{len(params) + i + 1}" for i, (b, v) in
+               enumerate(zip(buffers, versions)) if b._version != v}
+    graph = op_graph(seen["joint"], seen["outputs"], type(model).__name__,
+                     [list(x.shape) for x in fake_inputs], mutated)
+    return Captured(graph, seen["joint"])
+
+
+# --------------------------------------------------------------------------- to plain data
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _nbytes(value: Any) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return value.untyped_storage().nbytes()
+
+
+def _is_view(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def _recomputable(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    return torch.Tag.nondeterministic_seeded not in target.tags and \
+        not target._schema.is_mutable
+
+
+def op_graph(joint: fx.GraphModule, num_fwd_outputs: int, model: str,
+             input_shapes: list[list[int]], mutated: set[str] | frozenset = frozenset(),
+             ) -> OpGraph:
+    """The joint FX graph as an :class:`OpGraph` (``opgraph.py``'s conventions).
+
+    ``mutated`` names the inputs the step updates in place after its forward (BatchNorm's
+    running statistics): an op reading one cannot be recomputed in backward, which would
+    read the updated value (autograd's version check refuses it)."""
+    nodes: list[OpNode] = []
+    base: dict[str, str] = {}
+    picked: dict[str, set[int]] = {}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            picked.setdefault(node.args[0].name, set()).add(node.args[1])
+    for node in joint.graph.nodes:
+        if node.op == "output":
+            continue
+        inputs = [a.name for a in node.all_input_nodes]
+        value = _val(node)
+        if node.op == "placeholder":
+            phase = "tangent" if node.name.startswith("tangents") else "input"
+            nodes.append(OpNode(node.name, phase, phase, [], _nbytes(value)))
+            continue
+        phase = "backward" if node.meta.get("partitioner_tag") == "is_backward" \
+            else "forward"
+        op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        entry = OpNode(node.name, op, phase, inputs, recomputable=_recomputable(node.target)
+                       and not mutated.intersection(inputs))
+        if node.target is operator.getitem:
+            entry.bytes = _nbytes(value)
+        elif isinstance(value, (tuple, list)):  # a multi-output op: its getitems own them
+            taken = picked.get(node.name, set())
+            entry.transient_bytes = sum(_nbytes(v) for i, v in enumerate(value)
+                                        if i not in taken)
+        elif _is_view(node.target) and inputs:
+            root = node.all_input_nodes[0].name
+            base[node.name] = base.get(root, root)
+            entry.base = base[node.name]
+        else:
+            entry.bytes = _nbytes(value)
+        if isinstance(node.target, torch._ops.OpOverload):
+            args = fx.node.map_arg(node.args, _val)
+            kwargs = fx.node.map_arg(node.kwargs, _val)
+            entry.flops = op_flops(node.target, args, kwargs, value)
+        nodes.append(entry)
+    (out,) = [n for n in joint.graph.nodes if n.op == "output"]
+    results = [a for a in tree_leaves(out.args) if isinstance(a, fx.Node)]
+    return OpGraph(model, input_shapes, nodes,
+                   outputs=[a.name for a in results[:num_fwd_outputs]],
+                   gradients=[a.name for a in results[num_fwd_outputs:]])

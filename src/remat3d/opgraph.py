@@ -1,0 +1,102 @@
+"""OpGraph: one training step's aten ops, forward and backward, as plain data.
+
+The CostGraph (``graph.py``) sees module invocations; this sees every op of the step as
+AOTAutograd traces it (``capture/joint.py``): the convolutions inside modules and the
+``cat``, ``add`` and ``interpolate`` a parent's ``forward`` runs itself alike. The graph
+planner (``planner/liveness.py``) reads this and nothing else, so it imports no torch.
+
+Conventions
+  - ``nodes`` are in the joint graph's order: inputs (parameters, buffers, the model's
+    inputs), forward ops, the tangent (the output's gradient), backward ops.
+  - ``bytes`` is the storage a node makes. A view (``view``, ``slice``, ``detach``...) makes
+    none: ``base`` names the node whose storage it shares (followed to the root). An op
+    with several outputs makes none itself; the ``getitem`` nodes that pick them each make
+    theirs, and outputs no node picks are ``transient_bytes`` of the op, freed at once.
+  - ``phase``: ``"input"`` (alive through the step), ``"forward"``, ``"tangent"`` or
+    ``"backward"``. ``outputs`` are the forward's outputs (held by the caller) and
+    ``gradients`` the backward's results (alive to the step's end, then ``.grad``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from remat3d.errors import GraphError
+
+__all__ = ["OPGRAPH_SCHEMA", "OpGraph", "OpNode"]
+
+OPGRAPH_SCHEMA = "remat3d.opgraph/1"
+
+
+@dataclass
+class OpNode:
+    name: str  # the FX node's name: stable for one model, input shape and precision
+    op: str  # the aten op ("convolution", "cat"), or "input" / "tangent"
+    phase: str  # "input", "forward", "tangent" or "backward"
+    inputs: list[str] = field(default_factory=list)  # tensor arguments, by node name
+    bytes: int = 0
+    base: str | None = None  # a view: the node whose storage it shares
+    transient_bytes: int = 0  # outputs of a multi-output op that no node picks
+    flops: int = 0
+    recomputable: bool = True  # False: random or side-effecting ops (run exactly once)
+
+
+@dataclass
+class OpGraph:
+    model: str
+    input_shapes: list[list[int]]
+    nodes: list[OpNode]
+    outputs: list[str] = field(default_factory=list)
+    gradients: list[str] = field(default_factory=list)
+    schema: str = OPGRAPH_SCHEMA
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.nodes}
+        self._picks: dict[str, list[OpNode]] = {}
+        for n in self.nodes:
+            if n.op == "getitem" and n.inputs:
+                self._picks.setdefault(n.inputs[0], []).append(n)
+
+    def picks(self, name: str) -> list[OpNode]:
+        """The ``getitem`` nodes taking outputs of the multi-output op ``name``."""
+        return self._picks.get(name, [])
+
+    def __getitem__(self, name: str) -> OpNode:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def storage(self, name: str) -> str:
+        """The node whose storage ``name`` uses (itself unless it is a view)."""
+        node = self._by_name[name]
+        return node.base if node.base is not None else name
+
+    @property
+    def forward(self) -> list[OpNode]:
+        return [n for n in self.nodes if n.phase == "forward"]
+
+    @property
+    def backward(self) -> list[OpNode]:
+        return [n for n in self.nodes if n.phase == "backward"]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("_by_name", None)
+        data.pop("_picks", None)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OpGraph:
+        if data.get("schema") != OPGRAPH_SCHEMA:
+            raise GraphError(
+                f"Not a remat3d op graph (schema {data.get('schema')!r}, expected "
+                f"{OPGRAPH_SCHEMA!r}); capture it again with remat3d.capture."
+            )
+        nodes = [OpNode(**n) for n in data["nodes"]]
+        return cls(**{**data, "nodes": nodes})

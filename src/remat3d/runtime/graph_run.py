@@ -1,0 +1,147 @@
+"""Executing a graph plan: the step traced by AOTAutograd (``capture/joint.py``), split so
+that the forward saves what the plan keeps and the backward recomputes the rest.
+
+NOTE [ Running a graph plan ]
+  1. The partition function tags each node the plan recomputes ``MUST_RECOMPUTE`` (the
+     tag ``torch.utils.checkpoint``'s selective policies put on a joint graph) and hands
+     the graph to torch's ``default_partition``: the backward graph gets copies of the
+     recomputed ops, placed where backward first needs them; everything else the backward
+     reads is saved. Nothing is decided here that ``planner/liveness.py`` does not model.
+  2. The graphs run op by op, the same aten kernels as eager, so gradients and buffers are
+     those of ordinary training (on CPU in fp32 with deterministic algorithms, bitwise).
+  3. The model object, its parameters, buffers and ``state_dict`` stay as they are: only
+     the instance's ``forward`` is replaced, and :func:`remove_graph_plan` deletes it.
+  4. A graph is for one input signature (shapes, dtypes, train/eval, grad mode): another
+     one raises :class:`PlanError` asking for a new plan, never runs a stale graph.
+  5. :func:`measure_graph_plan` measures a plan's step under the tracker on fake tensors
+     (``capture/joint.py``'s ``fake_step``): traced on a first, untracked call, measured on
+     the second, the output held through backward as everywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from remat3d.capture.joint import aot_step, fake_step, tracing_errors
+from remat3d.errors import PlanError
+
+__all__ = ["apply_graph_plan", "graph_plan_of", "measure_graph_plan", "remove_graph_plan",
+           "tagged_partition"]
+
+_ATTR = "_remat3d_graph_plan"
+
+
+def tagged_partition(recompute: Iterable[str]) -> Any:
+    """A partition function recomputing the nodes named ``recompute`` (NOTE rule 1)."""
+    from torch._functorch.partitioners import default_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    names = set(recompute)
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        found = {n.name for n in joint.graph.nodes}
+        missing = sorted(names - found)
+        if missing:
+            raise PlanError(
+                f"The graph plan recomputes nodes this step's graph does not have "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): it was "
+                "made for another model, input shape or precision. Plan this step again."
+            )
+        for node in joint.graph.nodes:
+            if node.name in names:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                node.meta["ac_graph_id"] = 0
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                 **kwargs)
+
+    return partition
+
+
+def _signature(args: tuple, model: nn.Module) -> tuple:
+    tensors = tuple((tuple(a.shape), a.dtype, a.device.type, a.requires_grad)
+                    if isinstance(a, torch.Tensor) else type(a) for a in args)
+    return tensors, model.training, torch.is_grad_enabled()
+
+
+class _GraphPlan:
+    def __init__(self, model: nn.Module, recompute: Iterable[str]) -> None:
+        self.recompute = sorted(set(recompute))
+        self.step = aot_step(model, tagged_partition(self.recompute))
+        self.model = model
+        self.signature: tuple | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise PlanError("A graph plan runs a forward with positional inputs only; pass "
+                            f"{', '.join(kwargs)} positionally or use a module plan.")
+        signature = _signature(args, self.model)
+        if self.signature is None:
+            self.signature = signature
+            with tracing_errors(self.model):
+                return self.step(*args)
+        if signature != self.signature:
+            raise PlanError(
+                f"This graph plan was made for inputs {self.signature[0]} (training="
+                f"{self.signature[1]}, grad={self.signature[2]}); the model got {signature[0]}"
+                f" (training={signature[1]}, grad={signature[2]}). A graph is for one input "
+                "signature: plan this one, or remove the plan (remat3d.remove)."
+            )
+        return self.step(*args)
+
+
+def apply_graph_plan(model: nn.Module, recompute: Iterable[str]) -> nn.Module:
+    """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
+    (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
+    the planner gives). Returns the same model object."""
+    if graph_plan_of(model) is not None:
+        raise PlanError(f"{type(model).__name__} already runs a graph plan; "
+                        "remove it first (remat3d.runtime.graph_run.remove_graph_plan).")
+    plan = _GraphPlan(model, recompute)
+    model.forward = plan  # type: ignore[method-assign]
+    setattr(model, _ATTR, plan)
+    return model
+
+
+def graph_plan_of(model: nn.Module) -> list[str] | None:
+    """The nodes the applied graph plan recomputes (None: no graph plan applied)."""
+    plan = model.__dict__.get(_ATTR)
+    return None if plan is None else list(plan.recompute)
+
+
+def remove_graph_plan(model: nn.Module) -> nn.Module:
+    """Back to the model's own forward."""
+    if model.__dict__.pop(_ATTR, None) is not None:
+        model.__dict__.pop("forward", None)
+    return model
+
+
+def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
+                       device: str | None = None) -> int:
+    """Peak bytes of one step of ``model`` running the graph plan ``recompute``, measured
+    by the tracker on fake tensors (NOTE rule 5); the loss is remat3d's default."""
+    from remat3d.instrument.step import default_loss
+    from remat3d.instrument.tracker import MemoryTracker
+
+    fake_model, fake_inputs = fake_step(model, inputs, device)
+    apply_graph_plan(fake_model, recompute)
+    default_loss(fake_model(*fake_inputs)).backward()  # traced here, untracked
+    for p in fake_model.parameters():
+        p.grad = None
+    tracker = MemoryTracker(fake_inputs[0].device)
+    try:
+        tracker.register_model(fake_model)
+        tracker.register(list(fake_inputs), "input")
+        with tracker:
+            output = fake_model(*fake_inputs)
+            tracker.mark_forward_end(output)
+            tracker.phase = "backward"
+            default_loss(output).backward()
+            del output
+    finally:
+        tracker.close()
+    return tracker.peak_bytes

@@ -1,0 +1,108 @@
+"""Graph plans executed (runtime/graph_run.py): exact like ordinary training, the memory
+planner/liveness.py predicts, one input signature, removable."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from remat3d.capture.joint import capture
+from remat3d.errors import PlanError
+from remat3d.planner.liveness import closed_recompute, simulate
+from remat3d.runtime.graph_run import (
+    apply_graph_plan,
+    graph_plan_of,
+    measure_graph_plan,
+    remove_graph_plan,
+)
+from tests.capture.nets import ParentConcat
+from tests.runtime.exactness import train_step
+
+
+def _unet():
+    from monai.networks.nets import UNet
+
+    return UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1,
+                norm="instance")
+
+
+NETS = {"concat-batchnorm": lambda: ParentConcat("batch"),
+        "concat-instancenorm": lambda: ParentConcat("instance"),
+        "monai-unet": _unet}
+
+
+def _plans(model, shape):
+    graph = capture(model, shape).graph
+    cheap = sorted(closed_recompute(graph, [n.name for n in graph.forward if n.flops == 0]))
+    every = sorted(closed_recompute(graph, [n.name for n in graph.forward]))
+    return graph, {"save-all": [], "recompute-cheap": cheap, "recompute-all": every}
+
+
+@pytest.mark.parametrize("net", NETS)
+def test_graph_plans_are_bitwise_ordinary_training(net, deterministic):
+    torch.manual_seed(0)
+    model = NETS[net]()
+    x = torch.randn(1, 1, 16, 16, 16)
+    reference = train_step(copy.deepcopy(model), x)
+    _, plans = _plans(model, tuple(x.shape))
+    for name, recompute in plans.items():
+        planned = apply_graph_plan(copy.deepcopy(model), recompute)
+        for _ in range(2):  # traced on the first step, replayed on the second
+            got = train_step(planned, x)
+            for want, have in zip(reference, got):
+                if isinstance(want, dict):
+                    assert want.keys() == have.keys(), name
+                    bad = [k for k in want if not torch.equal(want[k], have[k])]
+                    assert not bad, (name, bad)
+                else:
+                    assert all(torch.equal(a, b) for a, b in zip(want, have)), name
+            remove_graph_plan(planned)
+            planned.load_state_dict(model.state_dict())
+            apply_graph_plan(planned, recompute)
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("net", NETS)
+def test_the_predicted_peak_is_the_measured_one(net):
+    torch.manual_seed(0)
+    model = NETS[net]()
+    shape = (1, 1, 32, 32, 32)
+    graph, plans = _plans(model, shape)
+    peaks = {}
+    for name, recompute in plans.items():
+        predicted = simulate(graph, recompute).peak_bytes
+        measured = measure_graph_plan(model, (shape,), recompute)
+        assert abs(predicted - measured) <= 0.03 * measured, (name, predicted, measured)
+        peaks[name] = measured
+    assert peaks["recompute-cheap"] < peaks["save-all"]
+
+
+def test_one_input_signature_and_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = ParentConcat()
+    keys = list(model.state_dict())
+    apply_graph_plan(model, [])
+    assert graph_plan_of(model) == [] and list(model.state_dict()) == keys
+    model(torch.randn(1, 1, 8, 8, 8)).sum().backward()
+    with pytest.raises(PlanError, match="made for inputs"):
+        model(torch.randn(1, 1, 16, 16, 16))
+    with pytest.raises(PlanError, match="already runs a graph plan"):
+        apply_graph_plan(model, [])
+    remove_graph_plan(model)
+    assert graph_plan_of(model) is None and "forward" not in model.__dict__
+    model(torch.randn(1, 1, 16, 16, 16))  # its own forward again
+
+
+def test_a_plan_for_another_graph_is_refused():
+    model = apply_graph_plan(ParentConcat(), ["no_such_node"])
+    with pytest.raises(PlanError, match="no_such_node"):
+        model(torch.randn(1, 1, 8, 8, 8))
