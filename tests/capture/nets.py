@@ -25,3 +25,21 @@ class ParentConcat(nn.Module):
         skip = self.enc(x)
         low = torch.relu(self.down(skip))
         return self.head(self.dec(torch.cat([self.up(low), skip], dim=1)))
+
+
+class Aliased(nn.Module):
+    """One module reachable under two names (as DynUNet's skip layers are) and a weight
+    tied between two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv3d(1, 4, 3, padding=1)
+        self.again = self.first  # the same module object under a second name
+        self.a = nn.Conv3d(4, 4, 3, padding=1)
+        self.b = nn.Conv3d(4, 4, 3, padding=1)
+        self.b.weight = self.a.weight  # tied
+        self.head = nn.Conv3d(4, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.again(x)) + self.first(x)
+        return self.head(self.b(torch.relu(self.a(y))))

@@ -17,7 +17,7 @@ from remat3d.runtime.graph_run import (
     measure_graph_plan,
     remove_graph_plan,
 )
-from tests.capture.nets import ParentConcat
+from tests.capture.nets import Aliased, ParentConcat
 from tests.runtime.exactness import train_step
 
 
@@ -30,6 +30,7 @@ def _unet():
 
 NETS = {"concat-batchnorm": lambda: ParentConcat("batch"),
         "concat-instancenorm": lambda: ParentConcat("instance"),
+        "aliased-and-tied": Aliased,
         "monai-unet": _unet}
 
 
@@ -49,6 +50,7 @@ def test_graph_plans_are_bitwise_ordinary_training(net, deterministic):
     _, plans = _plans(model, tuple(x.shape))
     for name, recompute in plans.items():
         planned = apply_graph_plan(copy.deepcopy(model), recompute)
+        weights = [id(t) for t in [*planned.parameters(), *planned.buffers()]]
         for _ in range(2):  # traced on the first step, replayed on the second
             got = train_step(planned, x)
             for want, have in zip(reference, got):
@@ -58,6 +60,8 @@ def test_graph_plans_are_bitwise_ordinary_training(net, deterministic):
                     assert not bad, (name, bad)
                 else:
                     assert all(torch.equal(a, b) for a, b in zip(want, have)), name
+            # tracing swapped in its own tensors and put every weight back
+            assert [id(t) for t in [*planned.parameters(), *planned.buffers()]] == weights
             remove_graph_plan(planned)
             planned.load_state_dict(model.state_dict())
             apply_graph_plan(planned, recompute)
@@ -83,7 +87,9 @@ def test_the_predicted_peak_is_the_measured_one(net):
         measured = measure_graph_plan(model, (shape,), recompute)
         assert abs(predicted - measured) <= 0.03 * measured, (name, predicted, measured)
         peaks[name] = measured
-    assert peaks["recompute-cheap"] < peaks["save-all"]
+    assert peaks["recompute-cheap"] <= peaks["save-all"]
+    if net != "aliased-and-tied":  # its peak holds nothing a cheap op made
+        assert peaks["recompute-cheap"] < peaks["save-all"]
 
 
 def test_one_input_signature_and_the_model_as_it_was():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -77,13 +78,9 @@ def aot_step(model: nn.Module, partition: PartitionFn) -> Callable[..., Any]:
     model's parameters and buffers at every call, so they stay the model's own."""
     from functorch.compile import aot_function
 
-    forward = type(model).forward
-
     def functional(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> Any:
-        # the class's forward: an instance whose forward is replaced by a plan is traced
-        # through its own code, not through the plan
-        with _swapped(model, {**params, **buffers}):
-            return forward(model, *args)
+        with _own_forward(model), _swapped(model, {**params, **buffers}):
+            return model(*args)
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -94,8 +91,8 @@ def aot_step(model: nn.Module, partition: PartitionFn) -> Callable[..., Any]:
 
     def run(*args: Any) -> Any:
         nonlocal compiled
-        params = dict(model.named_parameters(remove_duplicate=False))
-        buffers = dict(model.named_buffers(remove_duplicate=False))
+        params = dict(model.named_parameters())  # each tensor once; tied names follow
+        buffers = dict(model.named_buffers())
         if compiled is None:
             compiled = aot_function(functional, fw_compiler=_run_eagerly,
                                     bw_compiler=_run_eagerly, partition_fn=partition_fn,
@@ -120,12 +117,39 @@ def _unread_running_stats(joint: fx.GraphModule) -> None:
 
 @contextlib.contextmanager
 def _swapped(model: nn.Module, tensors: dict[str, Any]) -> Iterator[None]:
-    """``model``'s parameters and buffers replaced by ``tensors`` (the tracer's), as
-    ``torch.func.functional_call`` does, around a call of the class's own forward."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    with _reparametrize_module(model, tensors):
+    """``model``'s parameters and buffers replaced by ``tensors`` (the tracer's, by the
+    names ``named_parameters``/``named_buffers`` give, each tensor once) and restored
+    after. Swapped where they are held, once per module object and attribute: a module
+    reachable under two names (DynUNet's skip layers) is one object, which
+    ``torch.func.functional_call`` swapped twice and restored wrongly (the tracer's
+    tensors stayed in the model); a weight tied to another module is swapped there too."""
+    owned = itertools.chain(model.named_parameters(), model.named_buffers())
+    by_tensor = {id(t): tensors[name] for name, t in owned if name in tensors}
+    slots = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, old in table.items():
+                if old is not None and id(old) in by_tensor:
+                    slots.append((table, attr, old, by_tensor[id(old)]))
+    try:
+        for table, attr, _, new in slots:
+            table[attr] = new
         yield
+    finally:
+        for table, attr, old, _ in slots:
+            table[attr] = old
+
+
+@contextlib.contextmanager
+def _own_forward(model: nn.Module) -> Iterator[None]:
+    """While tracing, ``model`` runs its class's forward: a graph plan replaces the
+    instance's ``forward`` with itself, which must not be traced (nor re-entered)."""
+    replaced = model.__dict__.pop("forward", None)
+    try:
+        yield
+    finally:
+        if replaced is not None:
+            model.__dict__["forward"] = replaced
 
 
 @contextlib.contextmanager

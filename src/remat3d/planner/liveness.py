@@ -42,6 +42,9 @@ class Liveness:
     recompute_flops: int
     recompute_ops: int
     timeline: list[tuple[str, int]]  # (node, live bytes after it), forward then backward
+    recomputed: list[str]  # the forward nodes the backward runs again, in its order
+    peak_live: list[str]  # the storages alive at the peak (the nodes that made them)
+    saved: list[str]  # the storages the forward saves for the backward
 
 
 def closed_recompute(graph: OpGraph, recompute: Iterable[str]) -> set[str]:
@@ -71,6 +74,7 @@ class _Memory:
         self.live: dict[str, int] = {}  # storage node -> bytes
         self.total = 0
         self.peak = 0
+        self.peak_live: list[str] = []
         self.timeline: list[tuple[str, int]] = []
 
     def make(self, node: OpNode) -> None:
@@ -82,7 +86,9 @@ class _Memory:
         self.total -= self.live.pop(storage, 0)
 
     def sample(self, transient: int = 0) -> None:
-        self.peak = max(self.peak, self.total + transient)
+        if self.total + transient > self.peak:
+            self.peak = self.total + transient
+            self.peak_live = list(self.live)
 
 
 def _uses(order: list[OpNode], graph: OpGraph) -> dict[str, int]:
@@ -174,7 +180,7 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
             stack.extend(by_name[current].inputs)
         return sorted(found, key=lambda n: position[n.name])
 
-    recompute_flops, recompute_ops = 0, 0
+    recompute_flops, recomputed = 0, []
     tangents = [n for n in graph.nodes if n.phase == "tangent"]
     for node in tangents:
         memory.make(node)
@@ -183,8 +189,9 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
             for extra in pull(name):
                 order.append(extra)
                 recompute_flops += extra.flops
-                recompute_ops += 1
+                recomputed.append(extra.name)
         order.append(node)
+    forward_live = memory.peak_live
     memory.peak = 0
     memory.sample()
     gradients = {graph.storage(n) for n in graph.gradients}
@@ -195,6 +202,9 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
         backward_peak_bytes=memory.peak,
         saved_bytes=saved_bytes,
         recompute_flops=recompute_flops,
-        recompute_ops=recompute_ops,
+        recompute_ops=len(recomputed),
         timeline=memory.timeline,
+        recomputed=recomputed,
+        peak_live=forward_live if forward_peak > memory.peak else memory.peak_live,
+        saved=sorted(saved_storage),
     )

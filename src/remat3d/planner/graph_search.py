@@ -1,0 +1,139 @@
+"""Choosing what a graph plan recomputes: the least recompute cost whose exact liveness
+(``liveness.py``) fits a budget.
+
+NOTE [ Greedy on exact liveness ]
+  1. Nothing recomputed is tried first: a budget the ordinary step fits needs no plan.
+  2. Otherwise, repeatedly: the storages alive at the peak that the forward saved for the
+     backward are the candidates (only they can lower that peak). A candidate is
+     recomputed from tensors the forward saves anyway: with the ops between them (else
+     its inputs would be saved in its place, and nothing gained). Each is ranked by its
+     bytes per unit of the cost it adds; the best few (and the largest few) are simulated
+     exactly, and the one that lowers the peak most per unit of cost is taken (``_gain``:
+     where forward and backward peak alike, lowering either counts). Until the peak
+     fits, or no candidate lowers it (then the smallest peak reached is reported).
+  3. Then each recomputed storage, costliest first, is kept again if the peak still fits:
+     the greedy steps may have taken more than the final peak needs.
+  The cost of an op is its FLOPs; a memory-bound op (a norm, an activation, a ``cat``:
+  no FLOPs counted) costs reading and writing its output at memory bandwidth, in FLOP
+  equivalents (:class:`Costs`, shared with ``optimal``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat3d.opgraph import OpGraph
+from remat3d.planner.liveness import Liveness, closed_recompute, simulate
+from remat3d.planner.optimal import Costs
+
+__all__ = ["GraphChoice", "search_graph"]
+
+_EVALUATED = 24  # candidates simulated per step, by each ranking (NOTE rule 2)
+
+
+@dataclass
+class GraphChoice:
+    """What the search chose, and what it costs by the liveness model."""
+
+    recompute: list[str]
+    liveness: Liveness
+    cost: float  # FLOPs and FLOP-equivalents recomputed
+    fits: bool
+
+
+def _cost(graph: OpGraph, liveness: Liveness, costs: Costs) -> float:
+    total = 0.0
+    for name in liveness.recomputed:
+        node = graph[name]
+        total += node.flops if node.flops else costs.pointwise_cost(node.bytes)
+    return total
+
+
+def search_graph(graph: OpGraph, budget_bytes: int, costs: Costs | None = None
+                 ) -> GraphChoice:
+    """The recompute set for ``budget_bytes`` (module NOTE)."""
+    costs = costs or Costs()
+    chosen: set[str] = set()
+    live = simulate(graph)
+    best = GraphChoice([], live, 0.0, live.peak_bytes <= budget_bytes)
+    if best.fits:
+        return best
+    fixed = {n.name for n in graph.nodes if n.phase != "forward"} | set(graph.outputs)
+    while live.peak_bytes > budget_bytes:
+        current_cost = _cost(graph, live, costs)
+        ranked = []
+        for storage in live.peak_live:
+            if storage in fixed or storage in chosen:
+                continue
+            extra = closed_recompute(graph, chosen | _from_saved(graph, storage, live))
+            if extra == chosen:
+                continue  # not recomputable
+            added = [graph[n] for n in extra - chosen]
+            guess = graph[storage].bytes / (1.0 + sum(
+                n.flops or costs.pointwise_cost(n.bytes) for n in added))
+            ranked.append((guess, storage, extra))
+        by_value = sorted(ranked, key=lambda r: -r[0])[:_EVALUATED]
+        by_bytes = sorted(ranked, key=lambda r: -graph[r[1]].bytes)[:_EVALUATED]
+        step = None
+        for _, storage, extra in {r[1]: r for r in by_value + by_bytes}.values():
+            trial = simulate(graph, extra)
+            gain = _gain(live, trial)
+            if gain <= 0:
+                continue
+            score = gain / (1.0 + _cost(graph, trial, costs) - current_cost)
+            if step is None or score > step[0]:
+                step = (score, extra, trial)
+        if step is None:
+            break
+        _, chosen, live = step
+        if live.peak_bytes < best.liveness.peak_bytes:
+            best = GraphChoice(sorted(chosen), live, _cost(graph, live, costs), False)
+    if live.peak_bytes > budget_bytes:
+        return best
+    return _lean(graph, chosen, live, budget_bytes, costs)
+
+
+def _gain(before: Liveness, after: Liveness) -> float:
+    """How much lower ``after`` peaks: the step's peak, and (at a quarter the weight) the
+    other phase's peak: where forward and backward peak alike, each candidate lowers one
+    of them at a time, and the step's peak only falls after both (NOTE rule 2)."""
+    if after.peak_bytes > before.peak_bytes:
+        return 0.0
+    both = before.forward_peak_bytes + before.backward_peak_bytes - \
+        after.forward_peak_bytes - after.backward_peak_bytes
+    return before.peak_bytes - after.peak_bytes + 0.25 * both
+
+
+def _from_saved(graph: OpGraph, storage: str, live: Liveness) -> set[str]:
+    """``storage`` and the forward ops it is made from, back to tensors the forward saves
+    anyway: recomputed from those, it saves nothing new in its place."""
+    saved = set(live.saved)
+    found: set[str] = set()
+    stack = [storage]
+    while stack:
+        name = stack.pop()
+        node = graph[name]
+        if name in found or node.phase != "forward":
+            continue
+        if name != storage and graph.storage(name) in saved:
+            continue
+        found.add(name)
+        stack.extend(node.inputs)
+    return found
+
+
+def _lean(graph: OpGraph, chosen: set[str], live: Liveness, budget_bytes: int,
+          costs: Costs) -> GraphChoice:
+    """NOTE rule 3: keep again what the fitting peak does not need recomputed."""
+    roots = [n for n in chosen if graph[n].base is None and graph[n].op != "getitem"]
+    roots.sort(key=lambda n: -(graph[n].flops or costs.pointwise_cost(graph[n].bytes)))
+    for root in roots:
+        if root not in chosen:
+            continue
+        trial_set = closed_recompute(graph, chosen - {root} - {
+            n.name for n in graph.nodes if n.base == root or
+            (n.op == "getitem" and n.inputs and n.inputs[0] == root)})
+        trial = simulate(graph, trial_set)
+        if trial.peak_bytes <= budget_bytes:
+            chosen, live = trial_set, trial
+    return GraphChoice(sorted(chosen), live, _cost(graph, live, costs), True)
