@@ -110,6 +110,21 @@ def test_plan_command_writes_plan_and_plot(tmp_path):
     assert plan.verified_peak_bytes <= plan.budget_bytes
 
 
+def test_plan_command_plans_the_graph(tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.8x", "--graph", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "recomputed in backward" in " ".join(result.output.split())
+    from remat3d import Plan
+
+    plan = Plan.load(out)
+    assert plan.graph_recompute and plan.verified_peak_bytes <= plan.budget_bytes
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.6x", "--graph", "--amp", "bf16"])
+    assert result.exit_code == 2 and "Graph plans do not take amp" in result.output
+
+
 def test_plan_command_tiles_below_the_recomputation_floor():
     import remat3d
     from remat3d import zoo

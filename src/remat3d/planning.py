@@ -9,6 +9,7 @@ tracker, and the list of stages that can run tiled (``runtime/tiling/probe.py``)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import weakref
 from collections import OrderedDict
@@ -18,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.errors import BudgetError, Remat3dError
+from remat3d.capture.joint import capture
+from remat3d.errors import BudgetError, InfeasibleBudgetError, PlanError, Remat3dError
 from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.measurement import measure
+from remat3d.planner.graph_search import search_graph
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.searching import Measured, Problem, search
 from remat3d.planner.stages import StageModel, build_stages
@@ -28,8 +31,9 @@ from remat3d.planspec import Plan
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
 from remat3d.runtime.fingerprint import model_fingerprint, model_signature
+from remat3d.runtime.graph_run import measure_graph_plan
 from remat3d.runtime.region import InPlaceInputError, op_by_op_checks
-from remat3d.units import parse_bytes
+from remat3d.units import format_bytes, format_shape, parse_bytes
 
 __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 
@@ -96,6 +100,7 @@ def plan(
     verify: bool = True,
     tile: bool = True,
     host_budget: str | int | None = None,
+    graph: bool = False,
 ) -> Plan:
     """Plan checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -116,6 +121,11 @@ def plan(
             no limit): offloaded saved tensors past it stay on the device (and count
             there when the plan is verified), and tiling layouts whose tiled outputs
             hold more of it on the host are passed over.
+        graph: plan the step's aten graph instead of its modules (a *graph plan*: any
+            op of forward, a parent's own ``cat`` included, may be recomputed in
+            backward; ``docs/architecture.md``, Graph plans). Recompute only, for now:
+            no ``amp``, ``offload`` or ``loss_fn``; ``strategy`` and ``tile`` do not
+            apply.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -135,7 +145,7 @@ def plan(
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
     key = _cache_key(model, examples, amp, budget, strategy, offload, tile,
-                     _FunctionKey(loss_fn), host_bytes, verify)
+                     _FunctionKey(loss_fn), host_bytes, verify, graph)
     _forget_dead()
     if key in _CACHE:
         _CACHE.move_to_end(key)
@@ -148,6 +158,12 @@ def plan(
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes)
 
+    if graph:
+        chosen = _graph_plan(model, examples, header, prof.peak_bytes,
+                             prof.graph.forward_flops + prof.graph.backward_flops,
+                             amp=amp, offload=offload, loss_fn=loss_fn)
+        _CACHE[key] = chosen
+        return copy.deepcopy(chosen)
     verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages)
     chosen = search(Problem(
         stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
@@ -159,6 +175,51 @@ def plan(
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return copy.deepcopy(chosen)
+
+
+def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
+                unplanned_peak: int, step_flops: int, *, amp: str | None, offload: bool,
+                loss_fn: Callable[[Any], torch.Tensor] | None) -> Plan:
+    """A graph plan (``graph=True``): the step captured as one aten graph, the search on
+    its exact liveness (``planner/graph_search.py``), the choice measured under the
+    tracker on fake tensors; a measured peak above the budget tightens the search's
+    target by the excess (the loss outside the graph is not in the model), at most
+    ``_ROUNDS`` times."""
+    for given, name in ((amp, "amp"), (loss_fn, "loss_fn"), (offload or None, "offload")):
+        if given is not None:
+            raise PlanError(
+                f"Graph plans do not take {name} yet (they recompute, in full precision, "
+                "with the default loss); use a module plan for it (graph=False, or plan "
+                "without --graph)."
+            )
+    graph = capture(model, *examples).graph
+    budget = header.budget_bytes
+    assert budget is not None
+    target, smallest = budget, None
+    for _ in range(_ROUNDS):
+        choice = search_graph(graph, target)
+        measured = measure_graph_plan(model, tuple(examples), choice.recompute)
+        if smallest is None or measured < smallest:
+            smallest = measured
+        if choice.fits and measured <= budget:
+            return dataclasses.replace(
+                header, strategy="graph", graph_recompute=choice.recompute,
+                predicted_peak_bytes=choice.liveness.peak_bytes,
+                verified_peak_bytes=measured,
+                recompute_flops=choice.liveness.recompute_flops,
+                extra_flops=choice.liveness.recompute_flops, step_flops=step_flops,
+                notes=[(f"graph plan: {choice.liveness.recompute_ops} ops of "
+                       f"{len(graph.forward)} forward ops recomputed in backward")])
+        if not choice.fits:
+            break
+        target -= measured - budget
+    shapes = " ".join(format_shape(s) for s in header.input_shapes)
+    raise InfeasibleBudgetError(
+        f"Budget {format_bytes(budget)} is infeasible for a graph plan of {header.model} "
+        f"{shapes}: the smallest peak reached is {format_bytes(smallest or 0)} "
+        f"({smallest} bytes); the unplanned peak is {format_bytes(unplanned_peak)}. A "
+        "module plan with offload (graph=False, offload=True) or tiling may go lower.",
+        smallest_feasible_bytes=smallest or 0, unplanned_peak_bytes=unplanned_peak)
 
 
 def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,

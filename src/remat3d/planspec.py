@@ -149,11 +149,17 @@ class Plan:
     extra_flops: int | None = None
     step_flops: int | None = None  # the unplanned step's FLOPs (forward + backward)
     notes: list[str] = field(default_factory=list)
+    # a graph plan (remat3d.plan(..., graph=True)): the nodes of the step's aten graph
+    # (capture/joint.py) the backward recomputes; None: a plan of module regions
+    graph_recompute: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]
         for region in self.regions:
             region.check()
+        if self.graph_recompute is not None and self.regions:
+            raise PlanError("A plan is either a graph plan (graph_recompute) or a plan of "
+                            "module regions, not both.")
 
     @property
     def tiled(self) -> bool:
@@ -212,6 +218,9 @@ class Plan:
         counts = {d: sum(r.decision == d for r in self.regions) for d in DECISIONS}
         parts = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
         lines = [f"remat3d plan: {len(self.regions)} regions ({parts or 'none'})"]
+        if self.graph_recompute is not None:
+            lines = [(f"remat3d graph plan: {len(self.graph_recompute)} ops of the step's "
+                     "graph recomputed in backward")]
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
             lines.append(f"  made for {self.model} {shapes} amp={self.amp or 'none'} "

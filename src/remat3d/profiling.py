@@ -130,7 +130,8 @@ def profile(
         time_ops: record per-node wall time (default: on for real devices).
 
     >>> import torch, remat3d
-    >>> net = torch.nn.Sequential(torch.nn.Conv3d(1, 8, 3, padding=1), torch.nn.ReLU())
+    >>> net = torch.nn.Sequential(torch.nn.Conv3d(1, 8, 3, padding=1), torch.nn.ReLU(),
+    ...                           torch.nn.Conv3d(8, 1, 1))
     >>> prof = remat3d.profile(net, (1, 1, 32, 32, 32))
     >>> prof.graph.find("1").saved_bytes  # ReLU keeps its output: 8 x 32^3 x 4 bytes
     1048576

@@ -112,3 +112,11 @@ def test_a_plan_for_another_graph_is_refused():
     model = apply_graph_plan(ParentConcat(), ["no_such_node"])
     with pytest.raises(PlanError, match="no_such_node"):
         model(torch.randn(1, 1, 8, 8, 8))
+
+
+def test_a_graph_plan_refuses_meta_tensors():
+    from remat3d.instrument.step import meta_copy
+
+    model = apply_graph_plan(meta_copy(ParentConcat()), [])
+    with pytest.raises(PlanError, match="does not run on the meta device"):
+        model(torch.empty(1, 1, 8, 8, 8, device="meta"))

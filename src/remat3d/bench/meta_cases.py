@@ -20,8 +20,9 @@ from remat3d.bench.compiled import compiled_step, measure_cast_step
 from remat3d.bench.methods import build, plan_method, smallest_feasible
 from remat3d.bench.records import Record
 from remat3d.bench.suites import Case, Suite, budget_bytes
-from remat3d.errors import BudgetError, Remat3dError
+from remat3d.errors import BudgetError, InfeasibleBudgetError, Remat3dError
 from remat3d.measurement import measure
+from remat3d.planning import plan
 from remat3d.planspec import Plan
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
@@ -132,6 +133,8 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
         _remat3d(run, "optimal", "smallest feasible", smallest, offload=offload,
                  extra_seconds=seconds)
 
+    _graph_smallest(run)
+
     if case.kind != "sweep":
         return
     for budget in suite.budgets:
@@ -141,6 +144,32 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
             continue
         _remat3d(run, "optimal", f"peak of {other.method} {other.setting}".strip(),
                  other.peak_bytes)
+
+
+def _graph_smallest(run: CaseRun) -> None:
+    """A graph plan (``remat3d.plan(..., graph=True)``) at the smallest peak its search
+    reaches. Its peak is ``plan()``'s own measurement, the tracker on fake tensors
+    (``runtime/graph_run.py``): a graph plan is not run on the meta device."""
+    method, setting = "remat3d:graph", "smallest feasible"
+    if run.amp is not None:
+        run.add(method, setting, status="not-applicable", note="graph plans take no amp yet")
+        return
+    start = time.perf_counter()
+    try:
+        try:
+            plan(run.build("meta"), run.shape, budget=1, graph=True)
+            raise Remat3dError("a graph plan fitted in 1 byte")
+        except InfeasibleBudgetError as exc:
+            smallest = exc.smallest_feasible_bytes
+        result = plan(run.build("meta"), run.shape, budget=smallest, graph=True)
+    except Remat3dError as exc:
+        run.add(method, setting, status="error", note=str(exc)[:300])
+        return
+    run.add(method, setting, peak_bytes=result.verified_peak_bytes, budget_bytes=smallest,
+            recompute_flops=result.recompute_flops,
+            plan_seconds=time.perf_counter() - start,
+            note=f"{len(result.graph_recompute or [])} graph nodes recomputed; peak measured "
+                 "by the tracker on fake tensors")
 
 
 _CPU_FALLBACK_BYTES = 2 << 30  # a compiled step this small may run for real on the CPU

@@ -48,7 +48,8 @@ def headline_methods(records: list[Record]) -> list[tuple[str, Record]]:
         best = min(compiled, key=lambda r: (r.peak_bytes or 0, r.recompute_flops or 0))
         out.append((f"torch.compile, best ({best.setting})", best))
     for method, label in (("remat3d:optimal", "remat3d optimal, smallest budget"),
-                          ("remat3d:optimal+offload", "remat3d optimal + offload, smallest")):
+                          ("remat3d:optimal+offload", "remat3d optimal + offload, smallest"),
+                          ("remat3d:graph", "remat3d graph plan, smallest")):
         out += [(label, r) for r in ok
                 if r.method == method and r.setting == "smallest feasible"][:1]
     return out

@@ -41,7 +41,8 @@ def equal_peak_rows(recs: list[Record]) -> list[dict]:
     by_setting = {r.setting: r for r in recs if r.method == "remat3d:optimal"}
     rows = []
     for r in recs:
-        if r.method in ("none", "remat3d:optimal", "remat3d:optimal+offload") or \
+        if r.method in ("none", "remat3d:optimal", "remat3d:optimal+offload",
+                        "remat3d:graph") or \
                 r.status != "ok":
             continue
         ours = by_setting.get(f"peak of {r.method} {r.setting}".strip())

@@ -35,6 +35,9 @@ def plan_command(
                               help="Let optimal tile full-resolution stages when no "
                                    "recompute plan fits (exact; costs extra passes)."),
     amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
+    graph: bool = typer.Option(False, "--graph", help=(
+        "Plan the step's aten graph, not its modules: any op may be recomputed, a "
+        "parent's own cat or add included (recompute only; no --amp or --offload).")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
@@ -46,6 +49,9 @@ def plan_command(
     from remat3d.profiling import profile
     from remat3d.units import format_bytes
 
+    if graph and plot:
+        raise Remat3dError("--plot draws the overhead curve of module plans; it does not "
+                           "take --graph yet. Leave out one of them.")
     net, shape = build(model, input, model_kwargs)
     amp_ = parse_amp(amp)
     # stdout is the JSON alone with --json; otherwise a spinner writes there
@@ -54,12 +60,14 @@ def plan_command(
     with status:
         base = profile(net, shape, amp=amp_)
         result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
-                           amp=amp_, tile=tile, host_budget=host_budget)
+                           amp=amp_, tile=tile, host_budget=host_budget, graph=graph)
     if out:
         result.save(out)
     if json_out:
         sys.stdout.write(json.dumps(result.to_dict()) + "\n")
         return
+    if result.graph_recompute is not None:
+        console.print(f"{model} {format_shape(shape)}: {result.notes[0]}", highlight=False)
     table = Table(title=f"{model} {format_shape(shape)} amp={amp}: "
                         f"{len(result.regions)} regions ({strategy})", title_justify="left")
     table.add_column("module", overflow="fold", min_width=24)
@@ -71,7 +79,8 @@ def plan_command(
             detail = format_shape(region.tile) + (" fused" if region.fuse else "") \
                 + (" output on host" if region.host else "")
         table.add_row(region.label, region.decision, detail)
-    console.print(table)
+    if result.graph_recompute is None:
+        console.print(table)
     predicted = ("" if result.predicted_peak_bytes is None else
                  f" | predicted {format_bytes(result.predicted_peak_bytes)}")
     console.print(

@@ -31,6 +31,7 @@ from remat3d.decisions import Decision
 from remat3d.instrument.state import is_recomputing, module_name, register_module_names
 from remat3d.planspec import Plan, PlanError, Region
 from remat3d.runtime.fingerprint import model_fingerprint
+from remat3d.runtime.graph_run import apply_graph_plan, graph_plan_of, remove_graph_plan
 from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
 from remat3d.runtime.region import RegionStats, checkpoint_region
@@ -87,7 +88,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply() needs a remat3d.Plan, got {type(plan).__name__}.")
-    if applied_state(model) is not None:
+    if applied_state(model) is not None or graph_plan_of(model) is not None:
         raise PlanError(
             f"A plan is already applied to this {type(model).__name__}. Call "
             "remat3d.remove(model) before applying another."
@@ -99,6 +100,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"{plan.model_fingerprint}); this {type(model).__name__} has fingerprint "
             f"{fingerprint}. Make a plan for this model (remat3d.plan(model, ...))."
         )
+    if plan.graph_recompute is not None:  # runtime/graph_run.py
+        return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None)
     modules = dict(model.named_modules())
     by_module: dict[str, list[Region]] = {}
     for region in plan.regions:
@@ -131,6 +134,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
 def remove(model: nn.Module) -> None:
     """Undo ``apply``: the model's forwards are exactly as they were before."""
+    if graph_plan_of(model) is not None:
+        remove_graph_plan(model)
+        return
     state = applied_state(model)
     if state is None:
         raise PlanError("No remat3d plan is applied to this model; nothing to remove.")

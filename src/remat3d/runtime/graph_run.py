@@ -69,10 +69,12 @@ def _signature(args: tuple, model: nn.Module) -> tuple:
 
 
 class _GraphPlan:
-    def __init__(self, model: nn.Module, recompute: Iterable[str]) -> None:
+    def __init__(self, model: nn.Module, recompute: Iterable[str],
+                 input_shapes: list[list[int]] | None) -> None:
         self.recompute = sorted(set(recompute))
         self.step = aot_step(model, tagged_partition(self.recompute))
         self.model = model
+        self.input_shapes = input_shapes
         self.signature: tuple | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +82,18 @@ class _GraphPlan:
             raise PlanError("A graph plan runs a forward with positional inputs only; pass "
                             f"{', '.join(kwargs)} positionally or use a module plan.")
         signature = _signature(args, self.model)
+        if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
+            raise PlanError(
+                "A graph plan does not run on the meta device (traced from meta tensors, "
+                "some ops lose their backward: capture/joint.py). remat3d.plan measured it "
+                "already (Plan.verified_peak_bytes, on fake tensors); run it on real ones.")
         if self.signature is None:
+            shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            if self.input_shapes is not None and shapes != self.input_shapes:
+                raise PlanError(
+                    f"This graph plan was made for inputs of shape {self.input_shapes}; the "
+                    f"model got {shapes}. A graph is for one input shape: plan this one."
+                )
             self.signature = signature
             with tracing_errors(self.model):
                 return self.step(*args)
@@ -94,14 +107,16 @@ class _GraphPlan:
         return self.step(*args)
 
 
-def apply_graph_plan(model: nn.Module, recompute: Iterable[str]) -> nn.Module:
+def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
+                     input_shapes: list[list[int]] | None = None) -> nn.Module:
     """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
     (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
-    the planner gives). Returns the same model object."""
+    the planner gives), for inputs of ``input_shapes`` (None: the first call's). Returns
+    the same model object."""
     if graph_plan_of(model) is not None:
         raise PlanError(f"{type(model).__name__} already runs a graph plan; "
                         "remove it first (remat3d.runtime.graph_run.remove_graph_plan).")
-    plan = _GraphPlan(model, recompute)
+    plan = _GraphPlan(model, recompute, input_shapes)
     model.forward = plan  # type: ignore[method-assign]
     setattr(model, _ATTR, plan)
     return model

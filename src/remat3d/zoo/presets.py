@@ -23,6 +23,13 @@ resnet3d   MONAI resnet18, 2 classes               1        17        global poo
 revunet    remat3d.nn.RevUNet (partially           8        16        3 stride-2 stages; the
            reversible, 16..128 channels)                              2³ bottleneck needs >1
                                                                       voxel for InstanceNorm
+nnunetv2   nnU-Net v2's own PlainConvUNet          32       64        as nnunet (same
+           (dynamic-network-architectures),                           architecture; the
+           3d_fullres for an isotropic CT dataset                     decoder concatenates
+                                                                      in its own forward)
+resenc-l   nnU-Net v2's ResEnc-L                   32       64        as nnunet
+           (ResidualEncoderUNet, blocks
+           1,3,4,6,6,6, 1 decoder conv per stage)
 =========  ======================================  =======  ========  ========================
 
 ``min_size`` applies to every spatial edge: a simple sufficient rule (some anisotropic shapes
@@ -210,6 +217,68 @@ def _revunet(spatial_size: SpatialSize | None = None, **kwargs: Any) -> nn.Modul
     return RevUNet(**{**config, **kwargs})
 
 
+def _require_dna(preset: str) -> None:
+    if importlib.util.find_spec("dynamic_network_architectures") is None:
+        raise ModelSpecError(
+            f"The {preset} preset is nnU-Net v2's own network, from the "
+            "'dynamic-network-architectures' package, which is not installed. Install it "
+            "with: pip install 'remat3d[nnunet]'"
+        )
+
+
+def _nnunetv2_config(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What nnU-Net v2's planner writes for 3d_fullres on an isotropic CT dataset: 6
+    stages, features doubling from 32 and capped at 320, kernel 3, strides 1,2,2,2,2,2,
+    InstanceNorm (eps 1e-5, affine), in-place LeakyReLU, biased convolutions. Overriding
+    ``strides`` keeps the rule for the rest. ``in_channels``/``out_channels`` are
+    accepted for ``input_channels``/``num_classes``, as in every preset."""
+    from torch import nn as torch_nn
+
+    if "in_channels" in kwargs:
+        kwargs["input_channels"] = kwargs.pop("in_channels")
+    if "out_channels" in kwargs:
+        kwargs["num_classes"] = kwargs.pop("out_channels")
+    strides = [list(s) if isinstance(s, (list, tuple)) else [s] * 3
+               for s in kwargs.pop("strides", [1, 2, 2, 2, 2, 2])]
+    stages = len(strides)
+    return {
+        "input_channels": 1,
+        "num_classes": 2,
+        "n_stages": stages,
+        "features_per_stage": [min(32 * 2**i, 320) for i in range(stages)],
+        "conv_op": torch_nn.Conv3d,
+        "kernel_sizes": [[3, 3, 3]] * stages,
+        "strides": strides,
+        "conv_bias": True,
+        "norm_op": torch_nn.InstanceNorm3d,
+        "norm_op_kwargs": {"eps": 1e-5, "affine": True},
+        "nonlin": torch_nn.LeakyReLU,
+        "nonlin_kwargs": {"inplace": True},
+        "deep_supervision": False,
+    }
+
+
+def _nnunetv2(spatial_size: SpatialSize | None = None, **kwargs: Any) -> nn.Module:
+    _require_dna("nnunetv2")
+    from dynamic_network_architectures.architectures.unet import PlainConvUNet
+
+    config = _nnunetv2_config(kwargs)
+    stages = config["n_stages"]
+    config.update(n_conv_per_stage=[2] * stages, n_conv_per_stage_decoder=[2] * (stages - 1))
+    return PlainConvUNet(**{**config, **kwargs})
+
+
+def _resenc_l(spatial_size: SpatialSize | None = None, **kwargs: Any) -> nn.Module:
+    _require_dna("resenc-l")
+    from dynamic_network_architectures.architectures.unet import ResidualEncoderUNet
+
+    config = _nnunetv2_config(kwargs)
+    stages = config["n_stages"]
+    config.update(n_blocks_per_stage=[1, 3, 4, 6, 6, 6, 6, 6][:stages],
+                  n_conv_per_stage_decoder=[1] * (stages - 1))
+    return ResidualEncoderUNet(**{**config, **kwargs})
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -298,6 +367,31 @@ PRESETS: dict[str, Preset] = {
             min_size_rule="the 2^3-downsampled bottleneck must hold more than one voxel for "
             "InstanceNorm in training",
             factory=_revunet,
+        ),
+        Preset(
+            "nnunetv2",
+            "nnU-Net v2's own PlainConvUNet (dynamic-network-architectures) as its planner "
+            "configures 3d_fullres for isotropic CT: 32..320 features, 6 stages, 2 convs "
+            "per stage, InstanceNorm, LeakyReLU; divisor 32, min 64. Needs "
+            "remat3d[nnunet].",
+            divisor=32,
+            min_size=64,
+            divisor_rule="2^5 downsamplings",
+            min_size_rule="the 2^5-downsampled bottleneck must hold more than one voxel for "
+            "InstanceNorm in training",
+            factory=_nnunetv2,
+        ),
+        Preset(
+            "resenc-l",
+            "nnU-Net v2's ResEnc-L (ResidualEncoderUNet: residual blocks 1,3,4,6,6,6, one "
+            "decoder conv per stage, 32..320 features); divisor 32, min 64. Needs "
+            "remat3d[nnunet].",
+            divisor=32,
+            min_size=64,
+            divisor_rule="2^5 downsamplings",
+            min_size_rule="the 2^5-downsampled bottleneck must hold more than one voxel for "
+            "InstanceNorm in training",
+            factory=_resenc_l,
         ),
     )
 }

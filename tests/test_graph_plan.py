@@ -1,0 +1,78 @@
+"""remat3d.plan(..., graph=True): plans of the step's aten graph, through the public API."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat3d
+from remat3d.errors import InfeasibleBudgetError, PlanError
+from tests.capture.nets import ParentConcat
+from tests.runtime.exactness import train_step
+
+SHAPE = (1, 1, 32, 32, 32)
+
+
+def _smallest(model, graph):
+    with pytest.raises(InfeasibleBudgetError) as err:
+        remat3d.plan(model, SHAPE, budget="0.05x", graph=graph, tile=False)
+    return err.value.smallest_feasible_bytes / err.value.unplanned_peak_bytes
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_a_graph_plan_reaches_what_the_parents_own_code_holds(norm):
+    # the decoder's cat runs in the parent's forward: no module region can reach it
+    torch.manual_seed(0)
+    model = ParentConcat(norm)
+    assert _smallest(model, graph=True) < _smallest(model, graph=False) - 0.1
+
+
+def test_a_graph_plan_fits_applies_and_trains_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = ParentConcat("instance")
+    plan = remat3d.plan(model, SHAPE, budget="0.8x", graph=True)
+    assert plan.strategy == "graph" and plan.graph_recompute and not plan.regions
+    assert plan.verified_peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - plan.verified_peak_bytes) <= \
+        0.03 * plan.verified_peak_bytes
+    assert plan.summary().startswith("remat3d graph plan:")
+    plan.save(tmp_path / "plan.json")
+    loaded = remat3d.Plan.load(tmp_path / "plan.json")
+    assert loaded == plan
+
+    x = torch.randn(SHAPE)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        reference = train_step(copy.deepcopy(model), x)
+        planned = remat3d.apply(copy.deepcopy(model), loaded)
+        got = train_step(planned, x)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for want, have in zip(reference[1:], got[1:]):  # gradients, buffers
+        assert want.keys() == have.keys()
+        assert all(torch.equal(want[k], have[k]) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(reference[0], got[0]))
+
+    with pytest.raises(PlanError, match="already applied"):
+        remat3d.apply(planned, loaded)
+    with pytest.raises(PlanError, match="made for inputs"):
+        planned(torch.randn(1, 1, 16, 16, 16))
+    remat3d.remove(planned)
+    planned(torch.randn(1, 1, 16, 16, 16))  # its own forward again
+
+
+def test_another_input_shape_is_refused_before_tracing():
+    plan = remat3d.plan(ParentConcat(), SHAPE, budget="0.9x", graph=True)
+    model = remat3d.apply(ParentConcat(), plan)
+    with pytest.raises(PlanError, match="made for inputs of shape"):
+        model(torch.randn(1, 1, 16, 16, 16))
+
+
+@pytest.mark.parametrize("option", [{"amp": "bf16"}, {"offload": True},
+                                    {"loss_fn": lambda out: out.mean()}])
+def test_what_graph_plans_do_not_take_yet_is_one_clear_error(option):
+    with pytest.raises(PlanError, match="Graph plans do not take"):
+        remat3d.plan(ParentConcat(), SHAPE, budget="0.8x", graph=True, **option)
