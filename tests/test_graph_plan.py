@@ -64,6 +64,16 @@ def test_a_graph_plan_fits_applies_and_trains_exactly(tmp_path):
     planned(torch.randn(1, 1, 16, 16, 16))  # its own forward again
 
 
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_the_smallest_budget_an_error_names_is_feasible(norm):
+    model = ParentConcat(norm)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        remat3d.plan(model, SHAPE, budget=1, graph=True)
+    smallest = err.value.smallest_feasible_bytes
+    plan = remat3d.plan(model, SHAPE, budget=smallest, graph=True)
+    assert plan.verified_peak_bytes <= smallest
+
+
 def test_another_input_shape_is_refused_before_tracing():
     plan = remat3d.plan(ParentConcat(), SHAPE, budget="0.9x", graph=True)
     model = remat3d.apply(ParentConcat(), plan)
