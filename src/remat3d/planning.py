@@ -198,7 +198,7 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
     target, smallest = budget, None
     for _ in range(_ROUNDS):
         choice = search_graph(graph, target)
-        measured = measure_graph_plan(model, tuple(examples), choice.recompute)
+        measured = measure_graph_plan(model, tuple(examples), choice.recompute).peak_bytes
         if smallest is None or measured < smallest:
             smallest = measured
         if measured <= budget:  # the measured peak is the promise, not the model's

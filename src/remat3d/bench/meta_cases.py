@@ -26,6 +26,7 @@ from remat3d.planning import plan
 from remat3d.planspec import Plan
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
+from remat3d.runtime.graph_run import measure_graph_plan
 from remat3d.units import format_bytes
 
 __all__ = ["CaseRun", "run_meta_case"]
@@ -148,8 +149,8 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
 
 def _graph_smallest(run: CaseRun) -> None:
     """A graph plan (``remat3d.plan(..., graph=True)``) at the smallest peak its search
-    reaches. Its peak is ``plan()``'s own measurement, the tracker on fake tensors
-    (``runtime/graph_run.py``): a graph plan is not run on the meta device."""
+    reaches, measured once more as ``plan()`` measures it: the tracker on fake tensors
+    (``runtime/graph_run.py``; a graph plan does not run on the meta device)."""
     method, setting = "remat3d:graph", "smallest feasible"
     if run.amp is not None:
         run.add(method, setting, status="not-applicable", note="graph plans take no amp yet")
@@ -165,8 +166,10 @@ def _graph_smallest(run: CaseRun) -> None:
     except Remat3dError as exc:
         run.add(method, setting, status="error", note=str(exc)[:300])
         return
-    run.add(method, setting, peak_bytes=result.verified_peak_bytes, budget_bytes=smallest,
-            recompute_flops=result.recompute_flops,
+    step = measure_graph_plan(run.build("meta"), (run.shape,), result.graph_recompute or [])
+    run.add(method, setting, peak_bytes=step.peak_bytes, saved_bytes=step.saved_bytes,
+            budget_bytes=smallest, recompute_flops=result.recompute_flops,
+            flops=(result.step_flops or 0) + (result.recompute_flops or 0),
             plan_seconds=time.perf_counter() - start,
             note=f"{len(result.graph_recompute or [])} graph nodes recomputed; peak measured "
                  "by the tracker on fake tensors")

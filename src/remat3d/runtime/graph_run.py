@@ -21,6 +21,7 @@ NOTE [ Running a graph plan ]
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +30,8 @@ from torch import fx, nn
 from remat3d.capture.joint import aot_step, fake_step, tracing_errors
 from remat3d.errors import PlanError
 
-__all__ = ["apply_graph_plan", "graph_plan_of", "measure_graph_plan", "remove_graph_plan",
-           "tagged_partition"]
+__all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "measure_graph_plan",
+           "remove_graph_plan", "tagged_partition"]
 
 _ATTR = "_remat3d_graph_plan"
 
@@ -135,10 +136,18 @@ def remove_graph_plan(model: nn.Module) -> nn.Module:
     return model
 
 
+@dataclass
+class GraphStep:
+    """One step of a graph plan as the tracker measured it."""
+
+    peak_bytes: int
+    saved_bytes: int  # what the forward left alive for the backward (the output not)
+
+
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
-                       device: str | None = None) -> int:
-    """Peak bytes of one step of ``model`` running the graph plan ``recompute``, measured
-    by the tracker on fake tensors (NOTE rule 5); the loss is remat3d's default."""
+                       device: str | None = None) -> GraphStep:
+    """One step of ``model`` running the graph plan ``recompute``, measured by the tracker
+    on fake tensors (NOTE rule 5); the loss is remat3d's default."""
     from remat3d.instrument.step import default_loss
     from remat3d.instrument.tracker import MemoryTracker
 
@@ -159,4 +168,4 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
             del output
     finally:
         tracker.close()
-    return tracker.peak_bytes
+    return GraphStep(tracker.peak_bytes, tracker.saved_bytes)
