@@ -56,6 +56,8 @@ def test_a_graph_plan_fits_applies_and_trains_exactly(tmp_path):
         assert all(torch.equal(want[k], have[k]) for k in want)
     assert all(torch.equal(a, b) for a, b in zip(reference[0], got[0]))
 
+    again = remat3d.plan(model, SHAPE, budget="0.8x", strategy="graph")  # the same call
+    assert again.graph_recompute == plan.graph_recompute
     with pytest.raises(PlanError, match="already applied"):
         remat3d.apply(planned, loaded)
     with pytest.raises(PlanError, match="made for inputs"):

@@ -123,7 +123,8 @@ def plan(
             hold more of it on the host are passed over.
         graph: plan the step's aten graph instead of its modules (a *graph plan*: any
             op of forward, a parent's own ``cat`` included, may be recomputed in
-            backward; ``docs/architecture.md``, Graph plans). Recompute only, for now:
+            backward; ``docs/architecture.md``, Graph plans; ``strategy="graph"`` says
+            the same). Recompute only, for now:
             no ``amp``, ``offload`` or ``loss_fn``; ``strategy`` and ``tile`` do not
             apply.
 
@@ -141,6 +142,7 @@ def plan(
     >>> p.verified_peak_bytes <= p.budget_bytes
     True
     """
+    graph = graph or strategy == "graph"  # the strategy a graph plan records
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
