@@ -143,6 +143,8 @@ def plan(
     True
     """
     graph = graph or strategy == "graph"  # the strategy a graph plan records
+    if graph:
+        _graph_options(amp=amp, offload=offload, loss_fn=loss_fn)
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
@@ -154,7 +156,6 @@ def plan(
         return copy.deepcopy(_CACHE[key])  # the caller's own: editing it changes no cache
 
     prof = profile(model, *examples, device="meta", amp=amp, loss_fn=loss_fn)
-    stages = build_stages(prof.graph)
     budget_bytes = resolve_budget(budget, prof.peak_bytes)
     header = Plan(model=type(model).__name__, model_fingerprint=model_fingerprint(model),
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
@@ -162,10 +163,10 @@ def plan(
 
     if graph:
         chosen = _graph_plan(model, examples, header, prof.peak_bytes,
-                             prof.graph.forward_flops + prof.graph.backward_flops,
-                             amp=amp, offload=offload, loss_fn=loss_fn)
+                             prof.graph.forward_flops + prof.graph.backward_flops)
         _CACHE[key] = chosen
         return copy.deepcopy(chosen)
+    stages = build_stages(prof.graph)
     verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages)
     chosen = search(Problem(
         stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
@@ -179,14 +180,9 @@ def plan(
     return copy.deepcopy(chosen)
 
 
-def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
-                unplanned_peak: int, step_flops: int, *, amp: str | None, offload: bool,
-                loss_fn: Callable[[Any], torch.Tensor] | None) -> Plan:
-    """A graph plan (``graph=True``): the step captured as one aten graph, the search on
-    its exact liveness (``planner/graph_search.py``), the choice measured under the
-    tracker on fake tensors; a measured peak above the budget tightens the search's
-    target by the excess (the loss outside the graph is not in the model), at most
-    ``_ROUNDS`` times."""
+def _graph_options(*, amp: str | None, offload: bool,
+                   loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+    """Refuse, before any work, what graph plans do not take yet."""
     for given, name in ((amp, "amp"), (loss_fn, "loss_fn"), (offload or None, "offload")):
         if given is not None:
             raise PlanError(
@@ -194,6 +190,15 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
                 "with the default loss); use a module plan for it (graph=False, or plan "
                 "without --graph)."
             )
+
+
+def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
+                unplanned_peak: int, step_flops: int) -> Plan:
+    """A graph plan (``graph=True``): the step captured as one aten graph, the search on
+    its exact liveness (``planner/graph_search.py``), the choice measured under the
+    tracker on fake tensors; a measured peak above the budget tightens the search's
+    target by the excess (the loss outside the graph is not in the model), at most
+    ``_ROUNDS`` times."""
     graph = capture(model, *examples).graph
     budget = header.budget_bytes
     assert budget is not None

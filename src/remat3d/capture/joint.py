@@ -1,7 +1,8 @@
 """The model's forward and backward as one aten graph, traced by AOTAutograd.
 
 NOTE [ Tracing the joint graph ]
-  1. ``functorch.compile.aot_module`` traces the model's forward with ``make_fx`` and
+  1. ``functorch.compile.aot_function`` (over the model's parameters, buffers and inputs,
+     ``aot_step``) traces the model's forward with ``make_fx`` and
      autograd's formulas into one functional graph of aten ops, forward then backward
      (the *joint graph*), and hands it to a partition function, which splits it into the
      forward graph and the backward graph and decides what the forward saves for the

@@ -69,8 +69,7 @@ def closed_recompute(graph: OpGraph, recompute: Iterable[str]) -> set[str]:
 
 
 class _Memory:
-    def __init__(self, graph: OpGraph) -> None:
-        self.graph = graph
+    def __init__(self) -> None:
         self.live: dict[str, int] = {}  # storage node -> bytes
         self.total = 0
         self.peak = 0
@@ -95,7 +94,7 @@ def _uses(order: list[OpNode], graph: OpGraph) -> dict[str, int]:
     """The index in ``order`` of each storage's last use."""
     last: dict[str, int] = {}
     for i, node in enumerate(order):
-        last[graph.storage(node.name)] = max(last.get(graph.storage(node.name), i), i)
+        last[graph.storage(node.name)] = i
         for name in node.inputs:
             last[graph.storage(name)] = i
     return last
@@ -116,7 +115,6 @@ def _run(order: list[OpNode], graph: OpGraph, memory: _Memory, keep: set[str]) -
 
 def _forward_graph(graph: OpGraph, saved: set[str]) -> list[OpNode]:
     """The forward ops the outputs and the saved tensors need (torch removes the rest)."""
-    by_name = {n.name: n for n in graph.nodes}
     needed: set[str] = set()
     stack = [*graph.outputs, *saved]
     while stack:
@@ -124,14 +122,13 @@ def _forward_graph(graph: OpGraph, saved: set[str]) -> list[OpNode]:
         if name in needed:
             continue
         needed.add(name)
-        stack.extend(by_name[name].inputs)
+        stack.extend(graph[name].inputs)
     return [n for n in graph.forward if n.name in needed]
 
 
 def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
     """The step's peak with ``recompute`` recomputed in backward (module NOTE)."""
     again = closed_recompute(graph, recompute)
-    by_name = {n.name: n for n in graph.nodes}
     backward = graph.backward
 
     # what backward reads from forward: saved tensors, or recomputed from them
@@ -143,7 +140,7 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
         if name in visited:
             continue
         visited.add(name)
-        node = by_name[name]
+        node = graph[name]
         if node.phase != "forward":
             continue
         if name in again:
@@ -152,7 +149,7 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
             saved.add(name)
     saved_storage = {graph.storage(n) for n in saved}
 
-    memory = _Memory(graph)
+    memory = _Memory()
     resident = {n.name for n in graph.nodes if n.phase == "input"}
     for node in graph.nodes:
         if node.phase == "input":
@@ -166,18 +163,19 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
 
     # backward, the recomputed ops pulled in just before the first op that needs them
     order: list[OpNode] = []
-    done = set(resident) | set(memory.live) | {n for n in saved}
+    done = resident | set(memory.live) | saved
     position = {n.name: i for i, n in enumerate(graph.nodes)}
 
     def pull(name: str) -> list[OpNode]:
         stack, found = [name], []
         while stack:
             current = stack.pop()
-            if current in done or by_name[current].phase != "forward":
+            node = graph[current]
+            if current in done or node.phase != "forward":
                 continue
             done.add(current)
-            found.append(by_name[current])
-            stack.extend(by_name[current].inputs)
+            found.append(node)
+            stack.extend(node.inputs)
         return sorted(found, key=lambda n: position[n.name])
 
     recompute_flops, recomputed = 0, []

@@ -279,6 +279,15 @@ def _resenc_l(spatial_size: SpatialSize | None = None, **kwargs: Any) -> nn.Modu
     return ResidualEncoderUNet(**{**config, **kwargs})
 
 
+# the shape rules of the nnU-Net-style networks: six stages, five stride-2 downsamplings
+_FIVE_DOWNSAMPLINGS: dict[str, Any] = {
+    "divisor": 32,
+    "min_size": 64,
+    "divisor_rule": "2^5 downsamplings",
+    "min_size_rule": "the 2^5-downsampled bottleneck must hold more than one voxel for "
+                     "InstanceNorm in training",
+}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -286,11 +295,7 @@ PRESETS: dict[str, Preset] = {
             "nnunet",
             "DynUNet configured like nnU-Net 3d_fullres for CT (32..320 filters, 6 stages, "
             "InstanceNorm, LeakyReLU); divisor 32, min 64.",
-            divisor=32,
-            min_size=64,
-            divisor_rule="2^5 downsamplings",
-            min_size_rule="the 2^5-downsampled bottleneck must hold more than one voxel for "
-            "InstanceNorm in training",
+            **_FIVE_DOWNSAMPLINGS,
             factory=_nnunet,
         ),
         Preset(
@@ -374,11 +379,7 @@ PRESETS: dict[str, Preset] = {
             "configures 3d_fullres for isotropic CT: 32..320 features, 6 stages, 2 convs "
             "per stage, InstanceNorm, LeakyReLU; divisor 32, min 64. Needs "
             "remat3d[nnunet].",
-            divisor=32,
-            min_size=64,
-            divisor_rule="2^5 downsamplings",
-            min_size_rule="the 2^5-downsampled bottleneck must hold more than one voxel for "
-            "InstanceNorm in training",
+            **_FIVE_DOWNSAMPLINGS,
             factory=_nnunetv2,
         ),
         Preset(
@@ -386,11 +387,7 @@ PRESETS: dict[str, Preset] = {
             "nnU-Net v2's ResEnc-L (ResidualEncoderUNet: residual blocks 1,3,4,6,6,6, one "
             "decoder conv per stage, 32..320 features); divisor 32, min 64. Needs "
             "remat3d[nnunet].",
-            divisor=32,
-            min_size=64,
-            divisor_rule="2^5 downsamplings",
-            min_size_rule="the 2^5-downsampled bottleneck must hold more than one voxel for "
-            "InstanceNorm in training",
+            **_FIVE_DOWNSAMPLINGS,
             factory=_resenc_l,
         ),
     )
