@@ -121,8 +121,8 @@ def test_plan_command_plans_the_graph(tmp_path):
     plan = Plan.load(out)
     assert plan.graph_recompute and plan.verified_peak_bytes <= plan.budget_bytes
     result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
-                                 "--budget", "0.6x", "--graph", "--amp", "bf16"])
-    assert result.exit_code == 2 and "Graph plans do not take amp" in result.output
+                                 "--budget", "0.6x", "--graph", "--offload"])
+    assert result.exit_code == 2 and "Graph plans do not take offload" in result.output
 
 
 def test_plan_command_tiles_below_the_recomputation_floor():

@@ -66,6 +66,20 @@ def test_a_graph_plan_fits_applies_and_trains_exactly(tmp_path):
     planned(torch.randn(1, 1, 16, 16, 16))  # its own forward again
 
 
+def test_a_bf16_graph_plan_fits_the_step_autocast_runs():
+    # the casts are graph nodes: the plan's step is the one CUDA autocast runs
+    model = ParentConcat("instance")
+    plan = remat3d.plan(model, SHAPE, budget="0.8x", graph=True, amp="bf16")
+    unplanned = remat3d.profile(model, SHAPE, amp="bf16").peak_bytes
+    assert plan.amp == "bf16" and plan.graph_digest
+    assert plan.verified_peak_bytes <= plan.budget_bytes == int(0.8 * unplanned)
+    assert abs(plan.predicted_peak_bytes - plan.verified_peak_bytes) <= \
+        0.03 * plan.verified_peak_bytes
+    full = remat3d.plan(model, SHAPE, budget="0.8x", graph=True)
+    assert full.graph_digest != plan.graph_digest
+    assert plan.verified_peak_bytes < 0.7 * full.verified_peak_bytes
+
+
 @pytest.mark.parametrize("norm", ["batch", "instance"])
 def test_the_smallest_budget_an_error_names_is_feasible(norm):
     model = ParentConcat(norm)
@@ -83,7 +97,7 @@ def test_another_input_shape_is_refused_before_tracing():
         model(torch.randn(1, 1, 16, 16, 16))
 
 
-@pytest.mark.parametrize("option", [{"amp": "bf16"}, {"offload": True},
+@pytest.mark.parametrize("option", [{"offload": True},
                                     {"loss_fn": lambda out: out.mean()}])
 def test_what_graph_plans_do_not_take_yet_is_one_clear_error(option):
     with pytest.raises(PlanError, match="Graph plans do not take"):

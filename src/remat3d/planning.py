@@ -21,6 +21,7 @@ from torch import nn
 
 from remat3d.capture.joint import capture
 from remat3d.errors import BudgetError, InfeasibleBudgetError, PlanError, Remat3dError
+from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.graph_search import search_graph
@@ -124,9 +125,9 @@ def plan(
         graph: plan the step's aten graph instead of its modules (a *graph plan*: any
             op of forward, a parent's own ``cat`` included, may be recomputed in
             backward; ``docs/architecture.md``, Graph plans; ``strategy="graph"`` says
-            the same). Recompute only, for now:
-            no ``amp``, ``offload`` or ``loss_fn``; ``strategy`` and ``tile`` do not
-            apply.
+            the same). Recompute only, for now: no ``offload`` or ``loss_fn``;
+            ``strategy`` and ``tile`` do not apply. Under ``amp`` the plan runs the
+            forward under CUDA autocast's rules itself, on every device.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -144,7 +145,7 @@ def plan(
     """
     graph = graph or strategy == "graph"  # the strategy a graph plan records
     if graph:
-        _graph_options(amp=amp, offload=offload, loss_fn=loss_fn)
+        _graph_options(offload=offload, loss_fn=loss_fn)
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
@@ -180,15 +181,13 @@ def plan(
     return copy.deepcopy(chosen)
 
 
-def _graph_options(*, amp: str | None, offload: bool,
-                   loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+def _graph_options(*, offload: bool, loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
     """Refuse, before any work, what graph plans do not take yet."""
-    for given, name in ((amp, "amp"), (loss_fn, "loss_fn"), (offload or None, "offload")):
+    for given, name in ((loss_fn, "loss_fn"), (offload or None, "offload")):
         if given is not None:
             raise PlanError(
-                f"Graph plans do not take {name} yet (they recompute, in full precision, "
-                "with the default loss); use a module plan for it (graph=False, or plan "
-                "without --graph)."
+                f"Graph plans do not take {name} yet (they recompute, with the default "
+                "loss); use a module plan for it (graph=False, or plan without --graph)."
             )
 
 
@@ -199,18 +198,21 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
     tracker on fake tensors; a measured peak above the budget tightens the search's
     target by the excess (the loss outside the graph is not in the model), at most
     ``_ROUNDS`` times."""
-    graph = capture(model, *examples).graph
+    captured = capture(model, *examples, amp=amp_dtype(header.amp))
+    graph = captured.graph
     budget = header.budget_bytes
     assert budget is not None
     target, smallest = budget, None
     for _ in range(_ROUNDS):
         choice = search_graph(graph, target)
-        measured = measure_graph_plan(model, tuple(examples), choice.recompute).peak_bytes
+        measured = measure_graph_plan(model, tuple(examples), choice.recompute,
+                                      amp=header.amp).peak_bytes
         if smallest is None or measured < smallest:
             smallest = measured
         if measured <= budget:  # the measured peak is the promise, not the model's
             return dataclasses.replace(
                 header, strategy="graph", graph_recompute=choice.recompute,
+                graph_digest=captured.digest,
                 predicted_peak_bytes=choice.liveness.peak_bytes,
                 verified_peak_bytes=measured,
                 recompute_flops=choice.liveness.recompute_flops,

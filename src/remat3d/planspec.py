@@ -152,6 +152,9 @@ class Plan:
     # a graph plan (remat3d.plan(..., graph=True)): the nodes of the step's aten graph
     # (capture/joint.py) the backward recomputes; None: a plan of module regions
     graph_recompute: list[str] | None = None
+    # the graph plan's step graph (capture/joint.py, graph_digest): a step whose graph
+    # differs (another precision, model or torch) is refused, not run with this plan
+    graph_digest: str | None = None
 
     def __post_init__(self) -> None:
         self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]

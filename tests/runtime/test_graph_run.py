@@ -120,3 +120,55 @@ def test_a_graph_plan_refuses_meta_tensors():
     model = apply_graph_plan(meta_copy(ParentConcat()), [])
     with pytest.raises(PlanError, match="does not run on the meta device"):
         model(torch.empty(1, 1, 8, 8, 8, device="meta"))
+
+
+def test_a_bf16_graph_plan_is_bitwise_eager_under_cuda_autocasts_rules(deterministic):
+    # the plan runs its forward under CUDA autocast's rules on every device (NOTE rule 5)
+    from remat3d.instrument.amp import MetaAutocast
+
+    torch.manual_seed(0)
+    model = ParentConcat("instance")
+    x = torch.randn(1, 1, 16, 16, 16)
+    eager = copy.deepcopy(model)
+    own = eager.forward
+
+    def under_autocast(*args):
+        with MetaAutocast(torch.bfloat16, any_device=True):
+            return own(*args)
+
+    eager.forward = under_autocast
+    reference = train_step(eager, x)
+    captured = capture(model, tuple(x.shape), amp=torch.bfloat16)
+    casts = [n for n in captured.joint.graph.nodes if "_to_copy" in str(n.target)]
+    assert casts and reference[0][0].dtype == torch.bfloat16
+    cheap = closed_recompute(captured.graph, [n.name for n in captured.graph.forward
+                                              if n.flops == 0])
+    planned = apply_graph_plan(copy.deepcopy(model), cheap, amp="bf16",
+                               digest=captured.digest)
+    got = train_step(planned, x)
+    for want, have in zip(reference[1:], got[1:]):
+        assert all(torch.equal(want[k], have[k]) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(reference[0], got[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same dtype: no second cast
+        assert torch.equal(planned(x), got[0][0])
+
+
+def test_autocast_a_graph_plan_was_not_made_for_is_refused():
+    x = torch.randn(1, 1, 8, 8, 8)
+    full = apply_graph_plan(ParentConcat(), [])
+    half = apply_graph_plan(ParentConcat(), [], amp="bf16")
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(PlanError, match="made for full precision.*amp='bf16'"):
+        full(x)
+    with torch.autocast("cpu", dtype=torch.float16), \
+            pytest.raises(PlanError, match="made for autocast to torch.bfloat16"):
+        half(x)
+
+
+def test_a_graph_traced_otherwise_than_planned_is_refused():
+    # the same node names under another precision: the digest tells them apart
+    model = ParentConcat()
+    captured = capture(model, (1, 1, 8, 8, 8), amp=torch.bfloat16)
+    planned = apply_graph_plan(model, [], digest=captured.digest)  # run without amp
+    with pytest.raises(PlanError, match="not the one the graph plan was made for"):
+        planned(torch.randn(1, 1, 8, 8, 8))

@@ -134,7 +134,7 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
         _remat3d(run, "optimal", "smallest feasible", smallest, offload=offload,
                  extra_seconds=seconds)
 
-    _graph_smallest(run)
+    _graph(run, "smallest feasible")
 
     if case.kind != "sweep":
         return
@@ -143,32 +143,36 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
     for other in baselines:  # equal peak: remat3d at the peak each baseline reaches
         if other.status != "ok" or other.peak_bytes is None:
             continue
-        _remat3d(run, "optimal", f"peak of {other.method} {other.setting}".strip(),
-                 other.peak_bytes)
+        setting = f"peak of {other.method} {other.setting}".strip()
+        _remat3d(run, "optimal", setting, other.peak_bytes)
+        if other.method == "compile":  # the op-level planner against the op-level one
+            _graph(run, setting, other.peak_bytes)
 
 
-def _graph_smallest(run: CaseRun) -> None:
-    """A graph plan (``remat3d.plan(..., graph=True)``) at the smallest peak its search
-    reaches, measured once more as ``plan()`` measures it: the tracker on fake tensors
-    (``runtime/graph_run.py``; a graph plan does not run on the meta device)."""
-    method, setting = "remat3d:graph", "smallest feasible"
-    if run.amp is not None:
-        run.add(method, setting, status="not-applicable", note="graph plans take no amp yet")
-        return
+def _graph(run: CaseRun, setting: str, budget: int | None = None) -> None:
+    """A graph plan (``remat3d.plan(..., graph=True)``) at ``budget`` (None: the smallest
+    peak its search reaches), measured once more as ``plan()`` measures it: the tracker
+    on fake tensors (``runtime/graph_run.py``; a graph plan does not run on meta)."""
+    method = "remat3d:graph"
     start = time.perf_counter()
     try:
-        try:
-            plan(run.build("meta"), run.shape, budget=1, graph=True)
-            raise Remat3dError("a graph plan fitted in 1 byte")
-        except InfeasibleBudgetError as exc:
-            smallest = exc.smallest_feasible_bytes
-        result = plan(run.build("meta"), run.shape, budget=smallest, graph=True)
+        if budget is None:
+            try:
+                plan(run.build("meta"), run.shape, budget=1, graph=True, amp=run.amp)
+                raise Remat3dError("a graph plan fitted in 1 byte")
+            except InfeasibleBudgetError as exc:
+                budget = exc.smallest_feasible_bytes
+        result = plan(run.build("meta"), run.shape, budget=budget, graph=True, amp=run.amp)
+    except InfeasibleBudgetError as exc:
+        run.add(method, setting, status="infeasible", budget_bytes=budget, note=str(exc))
+        return
     except Remat3dError as exc:
         run.add(method, setting, status="error", note=str(exc)[:300])
         return
-    step = measure_graph_plan(run.build("meta"), (run.shape,), result.graph_recompute or [])
+    step = measure_graph_plan(run.build("meta"), (run.shape,), result.graph_recompute or [],
+                              amp=run.amp)
     run.add(method, setting, peak_bytes=step.peak_bytes, saved_bytes=step.saved_bytes,
-            budget_bytes=smallest, recompute_flops=result.recompute_flops,
+            budget_bytes=budget, recompute_flops=result.recompute_flops,
             flops=(result.step_flops or 0) + (result.recompute_flops or 0),
             plan_seconds=time.perf_counter() - start,
             note=f"{len(result.graph_recompute or [])} graph nodes recomputed; peak measured "

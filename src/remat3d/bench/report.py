@@ -37,8 +37,10 @@ def _title(key: tuple) -> str:
 
 def equal_peak_rows(recs: list[Record]) -> list[dict]:
     """For each baseline of a sweep: its peak and overhead, and remat3d optimal's at a
-    budget equal to that peak (``ratio``: remat3d's recompute over the baseline's)."""
+    budget equal to that peak (``ratio``: remat3d's recompute over the baseline's), and a
+    graph plan's where the bench made one (``graph``, ``graph_ratio``)."""
     by_setting = {r.setting: r for r in recs if r.method == "remat3d:optimal"}
+    graphs = {r.setting: r for r in recs if r.method == "remat3d:graph"}
     rows = []
     for r in recs:
         if r.method in ("none", "remat3d:optimal", "remat3d:optimal+offload",
@@ -48,12 +50,18 @@ def equal_peak_rows(recs: list[Record]) -> list[dict]:
         ours = by_setting.get(f"peak of {r.method} {r.setting}".strip())
         if ours is None:
             continue
-        ratio = None
-        if ours.status == "ok" and (r.recompute_flops or 0) > 0 and \
-                ours.recompute_flops is not None:
-            ratio = ours.recompute_flops / r.recompute_flops  # type: ignore[operator]
-        rows.append({"baseline": r, "remat3d": ours, "ratio": ratio})
+        graph = graphs.get(ours.setting)
+        rows.append({"baseline": r, "remat3d": ours, "ratio": _ratio(ours, r),
+                     "graph": graph, "graph_ratio": None if graph is None else
+                     _ratio(graph, r)})
     return rows
+
+
+def _ratio(ours: Record, baseline: Record) -> float | None:
+    if ours.status == "ok" and (baseline.recompute_flops or 0) > 0 and \
+            ours.recompute_flops is not None:
+        return ours.recompute_flops / baseline.recompute_flops  # type: ignore[operator]
+    return None
 
 
 def render_report(records: list[Record], *, suite: str, command: str, seconds: float,
@@ -113,6 +121,17 @@ def _headline(meta: dict[Any, list[Record]]) -> list[str]:
     return lines
 
 
+def _equal_cells(o: Record, ratio: float | None) -> str:
+    """Peak, recompute and ratio cells of one planned row at a baseline's peak."""
+    cells = (f"{_bytes(o.peak_bytes)} | {_pct(o.recompute_ratio)}"
+             if o.status == "ok" else f"{o.status} | —")
+    text = "—" if ratio is None else f"{ratio:.2f}"
+    if ratio is None and o.status == "ok":
+        text = ("— (neither recomputes FLOPs)" if not o.recompute_flops
+                else "— (baseline recomputes no FLOPs)")
+    return f"{cells} | {text}"
+
+
 def _equal_peak(meta: dict[Any, list[Record]]) -> list[str]:
     lines: list[str] = []
     sweeps = {k: v for k, v in meta.items() if equal_peak_rows(v)}
@@ -120,21 +139,21 @@ def _equal_peak(meta: dict[Any, list[Record]]) -> list[str]:
         lines += ["## Equal peak: remat3d optimal against each baseline", "",
                   ("remat3d is planned with the budget set to the peak the baseline "
                   "reaches; *ratio* is remat3d's recomputed FLOPs over the baseline's "
-                  "(below 1: remat3d recomputes less for the same memory)."), ""]
+                  "(below 1: remat3d recomputes less for the same memory). At "
+                  "torch.compile's peaks a graph plan (the op-level planner against the "
+                  "op-level one) is given too."), ""]
         for key, recs in sweeps.items():
             lines += [f"### {_title(key)}", "",
                       ("| baseline | its peak | its recompute | remat3d peak | "
-                      "remat3d recompute | ratio |"), "|---|---:|---:|---:|---:|---:|"]
+                      "remat3d recompute | ratio | graph plan peak | graph recompute | "
+                      "graph ratio |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for row in equal_peak_rows(recs):
-                b, o = row["baseline"], row["remat3d"]
-                ours = (f"{_bytes(o.peak_bytes)} | {_pct(o.recompute_ratio)}"
-                        if o.status == "ok" else f"{o.status} | —")
-                ratio = "—" if row["ratio"] is None else f"{row['ratio']:.2f}"
-                if row["ratio"] is None and o.status == "ok":
-                    ratio = ("— (neither recomputes FLOPs)" if not o.recompute_flops
-                             else "— (baseline recomputes no FLOPs)")
+                b = row["baseline"]
+                ours = _equal_cells(row["remat3d"], row["ratio"])
+                graph = "— | — | —" if row["graph"] is None else \
+                    _equal_cells(row["graph"], row["graph_ratio"])
                 lines.append(f"| {b.method} {b.setting} | {_bytes(b.peak_bytes)} | "
-                             f"{_pct(b.recompute_ratio)} | {ours} | {ratio} |")
+                             f"{_pct(b.recompute_ratio)} | {ours} | {graph} |")
             curve = sorted((r for r in recs if r.method.startswith("remat3d:optimal")
                             and r.setting.startswith(("budget=", "smallest"))),
                            key=lambda r: (r.method, r.budget_bytes or 0))

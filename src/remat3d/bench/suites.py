@@ -52,6 +52,8 @@ class Suite:
     offload: tuple[bool, ...] = (False, True)  # remat3d optimal at its smallest budget
     min_seconds: float = 5.0  # cpu tier: short steps get rounds until this much is timed
     model_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model
+    # cases besides the grids above (the networks too large to sweep)
+    extra_cases: tuple[Case, ...] = ()
 
     def cases(self) -> list[Case]:
         out = [Case(m, s, a, "sweep") for m in self.sweep_models for s in self.sweep_sizes
@@ -59,7 +61,7 @@ class Suite:
         out += [Case(m, s, a, "point") for m in self.point_models for s in self.point_sizes
                 for a in self.point_amps]
         out += [Case(m, s, "none", "cpu") for m in self.cpu_models for s in self.cpu_sizes]
-        return out
+        return out + list(self.extra_cases)
 
     def override(self, *, models: list[str] | None = None, sizes: list[int] | None = None,
                  budgets: list[str] | None = None) -> Suite:
@@ -67,7 +69,7 @@ class Suite:
         changes: dict[str, object] = {}
         if models:
             changes.update(sweep_models=tuple(models), point_models=tuple(models),
-                           cpu_models=tuple(models))
+                           cpu_models=tuple(models), extra_cases=())
         if sizes:
             if any(s <= 0 for s in sizes):
                 raise Remat3dError(f"Sizes must be positive spatial edges, got {sizes}.")
@@ -102,6 +104,8 @@ FULL = Suite(
     segments=(2, 4),
     strategies=("blocks", "sqrt", "selective"),
     repeats=5,
+    # nnU-Net v2's own networks (dynamic-network-architectures), where issue 18 measures
+    extra_cases=(Case("nnunetv2", 512, "bf16", "point"), Case("resenc-l", 512, "bf16", "point")),
 )
 
 # for tests and a first look: seconds on two cores (a two-level SegResNet, 4 filters)

@@ -23,12 +23,23 @@ NOTE [ Tracing the joint graph ]
      graph.
   5. The graphs run op by op, the same aten kernels as eager, boxed (``_run_eagerly``):
      each tensor, inputs included, is freed after its last use.
+  6. Mixed precision is part of the graph. A step for ``amp`` traces its forward under
+     CUDA autocast's rules (``instrument/amp.py``'s ``MetaAutocast`` on every device, the
+     rules remat3d measures every plan with), and its backward without autocast (eager's
+     ``loss.backward()`` outside the ``autocast`` block): the casts are nodes like any
+     other, which the planner may recompute. The caller's own ``torch.autocast`` is off
+     while the graph is traced and run (its casts are in the graph already), so a plan
+     means the same step on every device.
+  7. :func:`graph_digest` fingerprints a joint graph (its nodes, their ops and arguments):
+     a plan names nodes, and names alone could match a different graph (another precision
+     shifts every ``_to_copy``); the digest tells the step it runs in is the one planned.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import itertools
 import operator
 from collections.abc import Callable, Iterator
@@ -43,7 +54,16 @@ from remat3d.errors import CaptureError, Remat3dError, quoted
 from remat3d.instrument.flops import op_flops
 from remat3d.opgraph import OpGraph, OpNode
 
-__all__ = ["Captured", "PartitionFn", "aot_step", "capture", "fake_step", "op_graph"]
+__all__ = [
+    "Captured",
+    "PartitionFn",
+    "ambient_autocast",
+    "aot_step",
+    "capture",
+    "fake_step",
+    "graph_digest",
+    "op_graph",
+]
 
 # (joint graph, its example inputs, number of forward outputs) -> (forward, backward)
 PartitionFn = Callable[[fx.GraphModule, Any, int], tuple[fx.GraphModule, fx.GraphModule]]
@@ -55,6 +75,7 @@ class Captured:
 
     graph: OpGraph
     joint: fx.GraphModule
+    digest: str  # graph_digest(joint)
 
 
 def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -73,14 +94,38 @@ def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     return run
 
 
-def aot_step(model: nn.Module, partition: PartitionFn) -> Callable[..., Any]:
-    """A callable running ``model``'s class ``forward``, traced by AOTAutograd on its first
-    call, split by ``partition``, its graphs run eagerly (NOTE rules 1 and 5). It reads the
-    model's parameters and buffers at every call, so they stay the model's own."""
+def ambient_autocast() -> list[tuple[str, torch.dtype]]:
+    """The device types ``torch.autocast`` is on for here, with its dtype for each."""
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+            if torch.is_autocast_enabled(d)]
+
+
+@contextlib.contextmanager
+def _without_ambient_autocast() -> Iterator[None]:
+    """The caller's ``torch.autocast`` off (NOTE rule 6)."""
+    with contextlib.ExitStack() as stack:
+        for device, _ in ambient_autocast():
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def _forward_precision(amp: torch.dtype | None) -> contextlib.AbstractContextManager:
+    from remat3d.instrument.amp import MetaAutocast
+
+    return contextlib.nullcontext() if amp is None else MetaAutocast(amp, any_device=True)
+
+
+def aot_step(model: nn.Module, partition: PartitionFn,
+             amp: torch.dtype | None = None) -> Callable[..., Any]:
+    """A callable running ``model``'s class ``forward`` (under ``amp``'s autocast rules),
+    traced by AOTAutograd on its first call, split by ``partition``, its graphs run
+    eagerly (NOTE rules 1, 5 and 6). It reads the model's parameters and buffers at every
+    call, so they stay the model's own."""
     from functorch.compile import aot_function
 
     def functional(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> Any:
-        with _own_forward(model), _swapped(model, {**params, **buffers}):
+        with _own_forward(model), _swapped(model, {**params, **buffers}), \
+                _forward_precision(amp):
             return model(*args)
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -94,13 +139,31 @@ def aot_step(model: nn.Module, partition: PartitionFn) -> Callable[..., Any]:
         nonlocal compiled
         params = dict(model.named_parameters())  # each tensor once; tied names follow
         buffers = dict(model.named_buffers())
-        if compiled is None:
-            compiled = aot_function(functional, fw_compiler=_run_eagerly,
-                                    bw_compiler=_run_eagerly, partition_fn=partition_fn,
-                                    num_params_buffers=len(params) + len(buffers))
-        return compiled(params, buffers, *args)
+        with _without_ambient_autocast():
+            if compiled is None:
+                compiled = aot_function(functional, fw_compiler=_run_eagerly,
+                                        bw_compiler=_run_eagerly, partition_fn=partition_fn,
+                                        num_params_buffers=len(params) + len(buffers))
+                # traced on this first call: the backward as eager's, outside autocast
+                with torch._functorch.config.patch(backward_pass_autocast="off"):
+                    return compiled(params, buffers, *args)
+            return compiled(params, buffers, *args)
 
     return run
+
+
+def graph_digest(joint: fx.GraphModule) -> str:
+    """A fingerprint of ``joint``'s nodes, their ops and arguments (NOTE rule 7)."""
+    from torch.utils._pytree import tree_map
+
+    digest = hashlib.sha256()
+    for node in joint.graph.nodes:
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: n.name)
+        # where a tensor is made is not what the step computes: a plan traced on CPU
+        # fakes runs on a GPU
+        args = tree_map(lambda a: "device" if isinstance(a, torch.device) else a, args)
+        digest.update(f"{node.name}|{node.op}|{node.target}|{args}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def _unread_running_stats(joint: fx.GraphModule) -> None:
@@ -201,10 +264,11 @@ def fake_step(model: nn.Module, inputs: tuple, device: str | None = None,
     return copied, fakes
 
 
-def capture(model: nn.Module, *inputs: Any, device: str | None = None) -> Captured:
-    """Trace one step of ``model`` on ``inputs`` (tensors or shapes) and return its joint
-    graph. Runs on fake tensors (:func:`fake_step`): nothing is allocated, the model is
-    not changed."""
+def capture(model: nn.Module, *inputs: Any, device: str | None = None,
+            amp: torch.dtype | None = None) -> Captured:
+    """Trace one step of ``model`` on ``inputs`` (tensors or shapes), its forward under
+    ``amp``'s autocast rules (NOTE rule 6), and return its joint graph. Runs on fake
+    tensors (:func:`fake_step`): nothing is allocated, the model is not changed."""
     from torch._functorch.partitioners import default_partition
 
     fake_model, fake_inputs = fake_step(model, inputs, device)
@@ -220,7 +284,7 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None) -> Captur
     buffers = list(fake_model.buffers())
     versions = [b._version for b in buffers]
     with tracing_errors(model):
-        aot_step(fake_model, record)(*fake_inputs)
+        aot_step(fake_model, record, amp)(*fake_inputs)
     if "joint" not in seen:
         raise CaptureError(f"{type(model).__name__}'s forward made no output that needs a "
                            "gradient, so there is no backward to trace.")
@@ -230,7 +294,7 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None) -> Captur
                enumerate(zip(buffers, versions)) if b._version != v}
     graph = op_graph(seen["joint"], seen["outputs"], type(model).__name__,
                      [list(x.shape) for x in fake_inputs], mutated)
-    return Captured(graph, seen["joint"])
+    return Captured(graph, seen["joint"], graph_digest(seen["joint"]))
 
 
 # --------------------------------------------------------------------------- to plain data

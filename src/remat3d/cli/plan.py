@@ -37,7 +37,7 @@ def plan_command(
     amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
     graph: bool = typer.Option(False, "--graph", help=(
         "Plan the step's aten graph, not its modules: any op may be recomputed, a "
-        "parent's own cat or add included (recompute only; no --amp or --offload).")),
+        "parent's own cat or add included (recompute only; no --offload).")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),

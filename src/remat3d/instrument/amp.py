@@ -106,10 +106,10 @@ def _op_name(func: Any) -> str:
     return name.rstrip("_") if not name.startswith("_") else name
 
 
-def _eligible(x: Any) -> bool:
+def _eligible(x: Any, any_device: bool = False) -> bool:
     return (
         isinstance(x, torch.Tensor)
-        and x.device.type == "meta"
+        and (any_device or x.device.type == "meta")
         and x.is_floating_point()
         and x.dtype != torch.float64
     )
@@ -130,17 +130,21 @@ def active_meta_autocast() -> MetaAutocast | None:
 
 
 class MetaAutocast(TorchFunctionMode):
-    """Apply CUDA autocast's casting rules to meta tensors (see module docstring)."""
+    """Apply CUDA autocast's casting rules to meta tensors (see module docstring).
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    ``any_device=True`` applies them to tensors on every device: a graph plan made for
+    CUDA autocast traces its step with them on fake CPU tensors, and runs them wherever it
+    runs (``capture/joint.py``, NOTE rule 6), so the plan means the same step everywhere.
+    """
+
+    def __init__(self, dtype: torch.dtype, *, any_device: bool = False) -> None:
         super().__init__()
         self.dtype = dtype
+        self.any_device = any_device
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-
-
     def _cast(self, x: Any, dtype: torch.dtype) -> Any:
-        if not _eligible(x) or x.dtype == dtype:
+        if not _eligible(x, self.any_device) or x.dtype == dtype:
             return x
         cacheable = x.is_leaf and x.requires_grad and dtype == self.dtype
         if cacheable:
@@ -174,7 +178,8 @@ class MetaAutocast(TorchFunctionMode):
               or (PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area")):
             target = torch.float32
         elif name in PROMOTE_OPS:
-            dtypes = [x.dtype for x in tree_leaves((args, kwargs)) if _eligible(x)]
+            dtypes = [x.dtype for x in tree_leaves((args, kwargs))
+                      if _eligible(x, self.any_device)]
             if dtypes:
                 target = max(dtypes, key=lambda d: _WIDTH.get(d, 1))
         if target is not None:

@@ -101,7 +101,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"{fingerprint}. Make a plan for this model (remat3d.plan(model, ...))."
         )
     if plan.graph_recompute is not None:  # runtime/graph_run.py
-        return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None)
+        return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None,
+                                amp=plan.amp, digest=plan.graph_digest)
     modules = dict(model.named_modules())
     by_module: dict[str, list[Region]] = {}
     for region in plan.regions:

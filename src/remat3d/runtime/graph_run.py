@@ -13,7 +13,12 @@ NOTE [ Running a graph plan ]
      the instance's ``forward`` is replaced, and :func:`remove_graph_plan` deletes it.
   4. A graph is for one input signature (shapes, dtypes, train/eval, grad mode): another
      one raises :class:`PlanError` asking for a new plan, never runs a stale graph.
-  5. :func:`measure_graph_plan` measures a plan's step under the tracker on fake tensors
+  5. A plan made for ``amp`` runs its forward under CUDA autocast's rules wherever it
+     runs (``capture/joint.py``, NOTE rule 6): a caller's ``torch.autocast`` of the same
+     dtype changes nothing, one of another dtype, or autocast around a plan made for full
+     precision, is refused by name; the graph traced must be the graph planned
+     (``graph_digest``), or the step raises instead of running another graph's plan.
+  6. :func:`measure_graph_plan` measures a plan's step under the tracker on fake tensors
      (``capture/joint.py``'s ``fake_step``): traced on a first, untracked call, measured on
      the second, the output held through backward as everywhere else.
 """
@@ -27,17 +32,26 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from remat3d.capture.joint import aot_step, fake_step, tracing_errors
+from remat3d.capture.joint import (
+    ambient_autocast,
+    aot_step,
+    fake_step,
+    graph_digest,
+    tracing_errors,
+)
 from remat3d.errors import PlanError
+from remat3d.instrument.amp import amp_dtype
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "measure_graph_plan",
            "remove_graph_plan", "tagged_partition"]
 
 _ATTR = "_remat3d_graph_plan"
+_AMP_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def tagged_partition(recompute: Iterable[str]) -> Any:
-    """A partition function recomputing the nodes named ``recompute`` (NOTE rule 1)."""
+def tagged_partition(recompute: Iterable[str], digest: str | None = None) -> Any:
+    """A partition function recomputing the nodes named ``recompute`` (NOTE rule 1) of a
+    joint graph whose :func:`graph_digest` is ``digest`` (None: not checked)."""
     from torch._functorch.partitioners import default_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -47,11 +61,14 @@ def tagged_partition(recompute: Iterable[str]) -> Any:
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         found = {n.name for n in joint.graph.nodes}
         missing = sorted(names - found)
-        if missing:
+        if missing or (digest is not None and graph_digest(joint) != digest):
             raise PlanError(
-                f"The graph plan recomputes nodes this step's graph does not have "
-                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): it was "
-                "made for another model, input shape or precision. Plan this step again."
+                "This step's graph is not the one the graph plan was made for (it "
+                + (f"recomputes nodes the graph does not have: {', '.join(missing[:5])}"
+                   f"{', ...' if len(missing) > 5 else ''}" if missing else
+                   "differs in its ops") +
+                "): the plan was made for another model, input shape or precision. "
+                "Plan this step again."
             )
         for node in joint.graph.nodes:
             if node.name in names:
@@ -71,17 +88,33 @@ def _signature(args: tuple, model: nn.Module) -> tuple:
 
 class _GraphPlan:
     def __init__(self, model: nn.Module, recompute: Iterable[str],
-                 input_shapes: list[list[int]] | None) -> None:
+                 input_shapes: list[list[int]] | None, amp: str | None,
+                 digest: str | None) -> None:
         self.recompute = sorted(set(recompute))
-        self.step = aot_step(model, tagged_partition(self.recompute))
+        self.amp = amp_dtype(amp)
+        self.step = aot_step(model, tagged_partition(self.recompute, digest), self.amp)
         self.model = model
         self.input_shapes = input_shapes
         self.signature: tuple | None = None
+
+    def _check_autocast(self) -> None:
+        for device, dtype in ambient_autocast():
+            if self.amp is None:
+                raise PlanError(
+                    f"This graph plan was made for full precision (amp=None), but the step "
+                    f"runs under torch.autocast({device!r}, dtype={dtype}). Plan it with "
+                    f"amp={_AMP_NAMES.get(dtype, str(dtype))!r}, or run it outside autocast.")
+            if dtype != self.amp:
+                raise PlanError(
+                    f"This graph plan was made for autocast to {self.amp} and runs it "
+                    f"itself, but the step runs under torch.autocast({device!r}, "
+                    f"dtype={dtype}). Plan it for that dtype, or leave autocast to the plan.")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise PlanError("A graph plan runs a forward with positional inputs only; pass "
                             f"{', '.join(kwargs)} positionally or use a module plan.")
+        self._check_autocast()
         signature = _signature(args, self.model)
         if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args):
             raise PlanError(
@@ -109,15 +142,17 @@ class _GraphPlan:
 
 
 def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
-                     input_shapes: list[list[int]] | None = None) -> nn.Module:
+                     input_shapes: list[list[int]] | None = None, amp: str | None = None,
+                     digest: str | None = None) -> nn.Module:
     """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
     (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
-    the planner gives), for inputs of ``input_shapes`` (None: the first call's). Returns
-    the same model object."""
+    the planner gives), for inputs of ``input_shapes`` (None: the first call's), the
+    forward under ``amp``'s autocast rules (rule 5), in a graph whose ``graph_digest`` is
+    ``digest`` (None: not checked). Returns the same model object."""
     if graph_plan_of(model) is not None:
         raise PlanError(f"{type(model).__name__} already runs a graph plan; "
                         "remove it first (remat3d.runtime.graph_run.remove_graph_plan).")
-    plan = _GraphPlan(model, recompute, input_shapes)
+    plan = _GraphPlan(model, recompute, input_shapes, amp, digest)
     model.forward = plan  # type: ignore[method-assign]
     setattr(model, _ATTR, plan)
     return model
@@ -145,14 +180,14 @@ class GraphStep:
 
 
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
-                       device: str | None = None) -> GraphStep:
-    """One step of ``model`` running the graph plan ``recompute``, measured by the tracker
-    on fake tensors (NOTE rule 5); the loss is remat3d's default."""
+                       device: str | None = None, amp: str | None = None) -> GraphStep:
+    """One step of ``model`` running the graph plan ``recompute`` under ``amp``, measured
+    by the tracker on fake tensors (NOTE rule 6); the loss is remat3d's default."""
     from remat3d.instrument.step import default_loss
     from remat3d.instrument.tracker import MemoryTracker
 
     fake_model, fake_inputs = fake_step(model, inputs, device)
-    apply_graph_plan(fake_model, recompute)
+    apply_graph_plan(fake_model, recompute, amp=amp)
     default_loss(fake_model(*fake_inputs)).backward()  # traced here, untracked
     for p in fake_model.parameters():
         p.grad = None
