@@ -206,13 +206,13 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
     for _ in range(_ROUNDS):
         choice = search_graph(graph, target)
         measured = measure_graph_plan(model, tuple(examples), choice.recompute,
-                                      amp=header.amp).peak_bytes
+                                      amp=header.amp, twice=choice.twice).peak_bytes
         if smallest is None or measured < smallest:
             smallest = measured
         if measured <= budget:  # the measured peak is the promise, not the model's
             return dataclasses.replace(
                 header, strategy="graph", graph_recompute=choice.recompute,
-                graph_digest=captured.digest,
+                graph_twice=choice.twice, graph_digest=captured.digest,
                 predicted_peak_bytes=choice.liveness.peak_bytes,
                 verified_peak_bytes=measured,
                 recompute_flops=choice.liveness.recompute_flops,

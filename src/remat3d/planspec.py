@@ -152,6 +152,9 @@ class Plan:
     # a graph plan (remat3d.plan(..., graph=True)): the nodes of the step's aten graph
     # (capture/joint.py) the backward recomputes; None: a plan of module regions
     graph_recompute: list[str] | None = None
+    # of graph_recompute, the nodes recomputed a second time for their late readers
+    # (planner/liveness.py NOTE rule 4: a U-Net skip read by the decoder and the encoder)
+    graph_twice: list[str] = field(default_factory=list)
     # the graph plan's step graph (capture/joint.py, graph_digest): a step whose graph
     # differs (another precision, model or torch) is refused, not run with this plan
     graph_digest: str | None = None
@@ -163,6 +166,11 @@ class Plan:
         if self.graph_recompute is not None and self.regions:
             raise PlanError("A plan is either a graph plan (graph_recompute) or a plan of "
                             "module regions, not both.")
+        stray = sorted(set(self.graph_twice) - set(self.graph_recompute or ()))
+        if stray:
+            raise PlanError(f"graph_twice names nodes graph_recompute does not "
+                            f"({', '.join(stray[:5])}): a node is recomputed twice only if "
+                            "it is recomputed.")
 
     @property
     def tiled(self) -> bool:
@@ -222,8 +230,9 @@ class Plan:
         parts = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
         lines = [f"remat3d plan: {len(self.regions)} regions ({parts or 'none'})"]
         if self.graph_recompute is not None:
+            twice = f" ({len(self.graph_twice)} of them twice)" if self.graph_twice else ""
             lines = [(f"remat3d graph plan: {len(self.graph_recompute)} ops of the step's "
-                     "graph recomputed in backward")]
+                     f"graph recomputed in backward{twice}")]
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
             lines.append(f"  made for {self.model} {shapes} amp={self.amp or 'none'} "

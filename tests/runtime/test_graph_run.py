@@ -38,7 +38,8 @@ def _plans(model, shape):
     graph = capture(model, shape).graph
     cheap = sorted(closed_recompute(graph, [n.name for n in graph.forward if n.flops == 0]))
     every = sorted(closed_recompute(graph, [n.name for n in graph.forward]))
-    return graph, {"save-all": [], "recompute-cheap": cheap, "recompute-all": every}
+    return graph, {"save-all": ([], []), "recompute-cheap": (cheap, []),
+                   "recompute-all": (every, []), "recompute-all-twice": (every, every)}
 
 
 @pytest.mark.parametrize("net", NETS)
@@ -48,8 +49,8 @@ def test_graph_plans_are_bitwise_ordinary_training(net, deterministic):
     x = torch.randn(1, 1, 16, 16, 16)
     reference = train_step(copy.deepcopy(model), x)
     _, plans = _plans(model, tuple(x.shape))
-    for name, recompute in plans.items():
-        planned = apply_graph_plan(copy.deepcopy(model), recompute)
+    for name, (recompute, twice) in plans.items():
+        planned = apply_graph_plan(copy.deepcopy(model), recompute, twice=twice)
         weights = [id(t) for t in [*planned.parameters(), *planned.buffers()]]
         for _ in range(2):  # traced on the first step, replayed on the second
             got = train_step(planned, x)
@@ -64,7 +65,7 @@ def test_graph_plans_are_bitwise_ordinary_training(net, deterministic):
             assert [id(t) for t in [*planned.parameters(), *planned.buffers()]] == weights
             remove_graph_plan(planned)
             planned.load_state_dict(model.state_dict())
-            apply_graph_plan(planned, recompute)
+            apply_graph_plan(planned, recompute, twice=twice)
 
 
 @pytest.fixture
@@ -82,12 +83,13 @@ def test_the_predicted_peak_is_the_measured_one(net):
     shape = (1, 1, 32, 32, 32)
     graph, plans = _plans(model, shape)
     peaks = {}
-    for name, recompute in plans.items():
-        predicted = simulate(graph, recompute).peak_bytes
-        measured = measure_graph_plan(model, (shape,), recompute).peak_bytes
+    for name, (recompute, twice) in plans.items():
+        predicted = simulate(graph, recompute, twice).peak_bytes
+        measured = measure_graph_plan(model, (shape,), recompute, twice=twice).peak_bytes
         assert abs(predicted - measured) <= 0.03 * measured, (name, predicted, measured)
         peaks[name] = measured
     assert peaks["recompute-cheap"] <= peaks["save-all"]
+    assert peaks["recompute-all-twice"] <= peaks["recompute-all"]
     if net != "aliased-and-tied":  # its peak holds nothing a cheap op made
         assert peaks["recompute-cheap"] < peaks["save-all"]
 

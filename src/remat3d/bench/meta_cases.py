@@ -170,7 +170,7 @@ def _graph(run: CaseRun, setting: str, budget: int | None = None) -> None:
         run.add(method, setting, status="error", note=str(exc)[:300])
         return
     step = measure_graph_plan(run.build("meta"), (run.shape,), result.graph_recompute or [],
-                              amp=run.amp)
+                              amp=run.amp, twice=result.graph_twice)
     run.add(method, setting, peak_bytes=step.peak_bytes, saved_bytes=step.saved_bytes,
             budget_bytes=budget, recompute_flops=result.recompute_flops,
             flops=(result.step_flops or 0) + (result.recompute_flops or 0),

@@ -6,8 +6,10 @@ NOTE [ Greedy on exact liveness ]
   2. Otherwise, repeatedly: the storages alive at the peak that the forward saved for the
      backward are the candidates (only they can lower that peak). A candidate is
      recomputed from tensors the forward saves anyway: with the ops between them (else
-     its inputs would be saved in its place, and nothing gained). Each is ranked by its
-     bytes per unit of the cost it adds; the best few (and the largest few) are simulated
+     its inputs would be saved in its place, and nothing gained). A candidate recomputed
+     already is alive at the peak because a reader after it needs it: it is recomputed
+     twice instead (``liveness.py`` NOTE rule 4), with the ops between it and the saved
+     tensors. Each is ranked by its bytes per unit of the cost it adds; the best few (and the largest few) are simulated
      exactly, and the one that lowers the peak most per unit of cost is taken (``_gain``:
      where forward and backward peak alike, lowering either counts). Until the peak
      fits, or no candidate lowers it (then the smallest peak reached is reported).
@@ -36,6 +38,7 @@ class GraphChoice:
     """What the search chose, and what it costs by the liveness model."""
 
     recompute: list[str]
+    twice: list[str]  # of recompute, those recomputed again for late readers
     liveness: Liveness
     cost: float  # FLOPs and FLOP-equivalents recomputed
     fits: bool
@@ -54,8 +57,9 @@ def search_graph(graph: OpGraph, budget_bytes: int, costs: Costs | None = None
     """The recompute set for ``budget_bytes`` (module NOTE)."""
     costs = costs or Costs()
     chosen: set[str] = set()
+    twice: set[str] = set()
     live = simulate(graph)
-    best = GraphChoice([], live, 0.0, live.peak_bytes <= budget_bytes)
+    best = GraphChoice([], [], live, 0.0, live.peak_bytes <= budget_bytes)
     if best.fits:
         return best
     fixed = {n.name for n in graph.nodes if n.phase != "forward"} | set(graph.outputs)
@@ -63,34 +67,39 @@ def search_graph(graph: OpGraph, budget_bytes: int, costs: Costs | None = None
         current_cost = _cost(graph, live, costs)
         ranked = []
         for storage in live.peak_live:
-            if storage in fixed or storage in chosen:
+            if storage in fixed or storage in twice:
                 continue
-            extra = closed_recompute(graph, chosen | _from_saved(graph, storage, live))
+            chain = _from_saved(graph, storage, live)
+            extra = closed_recompute(graph, chosen | chain)
+            if storage in chosen:  # recomputed already, and alive across the peak
+                ranked.append((graph[storage].bytes, storage, extra, twice | chain))
+                continue
             if extra == chosen:
                 continue  # not recomputable
             added = [graph[n] for n in extra - chosen]
             guess = graph[storage].bytes / (1.0 + sum(
                 n.flops or costs.pointwise_cost(n.bytes) for n in added))
-            ranked.append((guess, storage, extra))
+            ranked.append((guess, storage, extra, twice))
         by_value = sorted(ranked, key=lambda r: -r[0])[:_EVALUATED]
         by_bytes = sorted(ranked, key=lambda r: -graph[r[1]].bytes)[:_EVALUATED]
         step = None
-        for _, storage, extra in {r[1]: r for r in by_value + by_bytes}.values():
-            trial = simulate(graph, extra)
+        for _, storage, extra, again in {r[1]: r for r in by_value + by_bytes}.values():
+            trial = simulate(graph, extra, again)
             gain = _gain(live, trial)
             if gain <= 0:
                 continue
             score = gain / (1.0 + _cost(graph, trial, costs) - current_cost)
             if step is None or score > step[0]:
-                step = (score, extra, trial)
+                step = (score, extra, again, trial)
         if step is None:
             break
-        _, chosen, live = step
+        _, chosen, twice, live = step
         if live.peak_bytes < best.liveness.peak_bytes:
-            best = GraphChoice(sorted(chosen), live, _cost(graph, live, costs), False)
+            best = GraphChoice(sorted(chosen), _closed(graph, twice, chosen), live,
+                               _cost(graph, live, costs), False)
     if live.peak_bytes > budget_bytes:
         return best
-    return _lean(graph, chosen, live, budget_bytes, costs)
+    return _lean(graph, chosen, twice, live, budget_bytes, costs)
 
 
 def _gain(before: Liveness, after: Liveness) -> float:
@@ -122,8 +131,8 @@ def _from_saved(graph: OpGraph, storage: str, live: Liveness) -> set[str]:
     return found
 
 
-def _lean(graph: OpGraph, chosen: set[str], live: Liveness, budget_bytes: int,
-          costs: Costs) -> GraphChoice:
+def _lean(graph: OpGraph, chosen: set[str], twice: set[str], live: Liveness,
+          budget_bytes: int, costs: Costs) -> GraphChoice:
     """NOTE rule 3: keep again what the fitting peak does not need recomputed."""
     roots = [n for n in chosen if graph[n].base is None and graph[n].op != "getitem"]
     roots.sort(key=lambda n: -(graph[n].flops or costs.pointwise_cost(graph[n].bytes)))
@@ -133,7 +142,14 @@ def _lean(graph: OpGraph, chosen: set[str], live: Liveness, budget_bytes: int,
         trial_set = closed_recompute(graph, chosen - {root} - {
             n.name for n in graph.nodes if n.base == root or
             (n.op == "getitem" and n.inputs and n.inputs[0] == root)})
-        trial = simulate(graph, trial_set)
+        trial = simulate(graph, trial_set, twice & trial_set)
         if trial.peak_bytes <= budget_bytes:
-            chosen, live = trial_set, trial
-    return GraphChoice(sorted(chosen), live, _cost(graph, live, costs), True)
+            chosen, twice, live = trial_set, twice & trial_set, trial
+    return GraphChoice(sorted(chosen), _closed(graph, twice, chosen), live,
+                       _cost(graph, live, costs), True)
+
+
+def _closed(graph: OpGraph, twice: set[str], chosen: set[str]) -> list[str]:
+    """``twice`` as the step runs it: with the views and picks that go with each node
+    (the simulation closes it so; the runtime takes the names as given)."""
+    return sorted(closed_recompute(graph, twice) & chosen)

@@ -17,18 +17,32 @@ NOTE [ Simulating the partitioned step ]
   3. Live bytes are taken after each op, its outputs made and its inputs not yet freed:
      the points at which the tracker samples, so the two agree op for op. A multi-output
      op makes the tensors its ``getitem`` nodes pick; the picks themselves run no op.
+  4. Recomputed twice (``again``, :func:`late_copies`): a recomputed tensor read early and
+     late in backward (a U-Net's skip: by the decoder's first op, by the encoder's last)
+     lives in between, over the backward's peak. For a node in ``again`` the backward's
+     readers of it are split at the largest gap between consecutive readers: the early
+     ones read the first recomputation, the late ones a second one run just before the
+     first of them. Nodes are split last to first, so a copy's inputs that are in
+     ``again`` are split in turn and the copy reads their late copies: a chain back to
+     saved tensors is recomputed twice, and nothing of it lives across the gap. A
+     multi-output op and its ``getitem`` picks are split alike (each pick's copy reads the
+     op's copy). ``runtime/graph_run.py`` applies the same function to the backward graph
+     torch builds, so the step that runs is the one simulated.
   Inputs (parameters, buffers, the model's inputs) live through the step; the tangent
   (the output's gradient) from the backward's start to its last use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from remat3d.opgraph import OpGraph, OpNode
 
-__all__ = ["Liveness", "closed_recompute", "simulate"]
+__all__ = ["AGAIN", "Liveness", "closed_recompute", "late_copies", "simulate"]
+
+AGAIN = "__again"  # the suffix of a second recomputation's name (NOTE rule 4)
 
 
 @dataclass
@@ -42,7 +56,8 @@ class Liveness:
     recompute_flops: int
     recompute_ops: int
     timeline: list[tuple[str, int]]  # (node, live bytes after it), forward then backward
-    recomputed: list[str]  # the forward nodes the backward runs again, in its order
+    # the forward nodes the backward runs again, in its order (twice if recomputed twice)
+    recomputed: list[str]
     peak_live: list[str]  # the storages alive at the peak (the nodes that made them)
     saved: list[str]  # the storages the forward saves for the backward
 
@@ -90,27 +105,104 @@ class _Memory:
             self.peak_live = list(self.live)
 
 
-def _uses(order: list[OpNode], graph: OpGraph) -> dict[str, int]:
+def _uses(order: list[OpNode], storage: Callable[[str], str]) -> dict[str, int]:
     """The index in ``order`` of each storage's last use."""
     last: dict[str, int] = {}
     for i, node in enumerate(order):
-        last[graph.storage(node.name)] = i
+        last[storage(node.name)] = i
         for name in node.inputs:
-            last[graph.storage(name)] = i
+            last[storage(name)] = i
     return last
 
 
-def _run(order: list[OpNode], graph: OpGraph, memory: _Memory, keep: set[str]) -> None:
-    last = _uses(order, graph)
+def _run(order: list[OpNode], memory: _Memory, keep: set[str],
+         storage: Callable[[str], str], picks: Callable[[str], list[OpNode]]) -> None:
+    last = _uses(order, storage)
     for i, node in enumerate(order):
         if node.op != "getitem":  # a multi-output op makes what its getitems pick
-            for made in (node, *graph.picks(node.name)):
+            for made in (node, *picks(node.name)):
                 memory.make(made)
             memory.sample(node.transient_bytes)
             memory.timeline.append((node.name, memory.total + node.transient_bytes))
-        for storage in {graph.storage(n) for n in node.inputs} | {graph.storage(node.name)}:
-            if last.get(storage) == i and storage not in keep:
-                memory.free(storage)
+        for used in {storage(n) for n in node.inputs} | {storage(node.name)}:
+            if last.get(used) == i and used not in keep:
+                memory.free(used)
+
+
+def late_copies(order: list[tuple[str, list[str]]], again: Iterable[str],
+                ) -> list[tuple[str, str, list[str]]]:
+    """``order`` (the backward's ops, recomputed ones included, as ``(name, inputs)``)
+    with a second recomputation of each node of ``again`` for its late readers (NOTE
+    rule 4), as ``(name, original name, inputs)`` in running order. A copy is named
+    ``original + AGAIN``. Pure: the planner and the runtime both call it."""
+    keys: dict[str, tuple[int, int]] = {}
+    inputs: dict[str, list[str]] = {}
+    original: dict[str, str] = {}
+    readers: dict[str, list[str]] = {}
+    for i, (name, names) in enumerate(order):
+        keys[name], inputs[name], original[name] = (i, 0), list(names), name
+        for used in dict.fromkeys(names):
+            readers.setdefault(used, []).append(name)
+    made = 0
+    for node in sorted((n for n in set(again) if n in keys), key=keys.__getitem__,
+                       reverse=True):
+        ranked = sorted(readers.get(node, ()), key=keys.__getitem__)
+        gap, split = 1, 0  # adjacent readers are never split
+        for k in range(len(ranked) - 1):
+            if keys[ranked[k + 1]][0] - keys[ranked[k]][0] > gap:
+                gap, split = keys[ranked[k + 1]][0] - keys[ranked[k]][0], k + 1
+        if not split:
+            continue
+        made += 1
+        copy, late = node + AGAIN, ranked[split:]
+        keys[copy] = (keys[late[0]][0], -made)  # just before its first reader
+        inputs[copy], original[copy] = list(inputs[node]), node
+        for reader in late:
+            inputs[reader] = [copy if n == node else n for n in inputs[reader]]
+        readers[node], readers[copy] = ranked[:split], late
+        for used in dict.fromkeys(inputs[copy]):
+            readers.setdefault(used, []).append(copy)
+    return [(n, original[n], inputs[n]) for n in sorted(keys, key=keys.__getitem__)]
+
+
+def _with_copies(graph: OpGraph, order: list[OpNode], again: set[str]
+                 ) -> tuple[list[OpNode], Callable[[str], str], Callable[[str], list[OpNode]]]:
+    """``order`` with the second recomputations of ``again`` (NOTE rule 4), and the
+    storage and picks of its nodes, copies included."""
+    if not again:
+        return order, graph.storage, graph.picks
+    steps = late_copies([(n.name, n.inputs) for n in order], again)
+    owner: dict[str, str] = {}
+    picks: dict[str, list[OpNode]] = {}
+    out = []
+    for name, source, names in steps:
+        node = graph[source]
+        base = node.base
+        if base is not None:  # a view: of its input's storage (a copy's, maybe)
+            base = owner[names[0]] if names[0] in owner else graph.storage(names[0])
+        if name == source and names == node.inputs and base == node.base:
+            out.append(node)
+            continue
+        copied = dataclasses.replace(node, name=name, inputs=names, base=base)
+        owner[name] = name if base is None else base
+        if node.op == "getitem" and names[0] != node.inputs[0]:
+            picks.setdefault(names[0], []).append(copied)
+        out.append(copied)
+    for name, source, _ in steps:  # what a copied op makes and no copied pick takes
+        if name != source and graph.picks(source):
+            taken = {p.name[: -len(AGAIN)] for p in picks.get(name, [])}
+            unpicked = sum(p.bytes for p in graph.picks(source) if p.name not in taken)
+            index = next(i for i, n in enumerate(out) if n.name == name)
+            out[index] = dataclasses.replace(
+                out[index], transient_bytes=out[index].transient_bytes + unpicked)
+
+    def storage(name: str) -> str:
+        return owner[name] if name in owner else graph.storage(name)
+
+    def picked(name: str) -> list[OpNode]:
+        return picks[name] if name in picks else graph.picks(name)
+
+    return out, storage, picked
 
 
 def _forward_graph(graph: OpGraph, saved: set[str]) -> list[OpNode]:
@@ -126,8 +218,10 @@ def _forward_graph(graph: OpGraph, saved: set[str]) -> list[OpNode]:
     return [n for n in graph.forward if n.name in needed]
 
 
-def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
-    """The step's peak with ``recompute`` recomputed in backward (module NOTE)."""
+def simulate(graph: OpGraph, recompute: Iterable[str] = (),
+             twice: Iterable[str] = ()) -> Liveness:
+    """The step's peak with ``recompute`` recomputed in backward, those of ``twice`` a
+    second time for their late readers (module NOTE)."""
     again = closed_recompute(graph, recompute)
     backward = graph.backward
 
@@ -156,7 +250,8 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
             memory.make(node)
     memory.sample()
     outputs = {graph.storage(n) for n in graph.outputs}
-    _run(_forward_graph(graph, saved), graph, memory, keep=resident | saved_storage | outputs)
+    _run(_forward_graph(graph, saved), memory, resident | saved_storage | outputs,
+         graph.storage, graph.picks)
     forward_peak = memory.peak
     saved_bytes = sum(b for s, b in memory.live.items()
                       if s in saved_storage and s not in outputs and s not in resident)
@@ -184,16 +279,18 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
         memory.make(node)
     for node in backward:
         for name in node.inputs:
-            for extra in pull(name):
-                order.append(extra)
-                recompute_flops += extra.flops
-                recomputed.append(extra.name)
+            order.extend(pull(name))
         order.append(node)
+    order, storage, picks = _with_copies(graph, order, closed_recompute(graph, twice) & again)
+    for node in order:
+        if node.phase == "forward":
+            recompute_flops += node.flops
+            recomputed.append(node.name.removesuffix(AGAIN))
     forward_live = memory.peak_live
     memory.peak = 0
     memory.sample()
     gradients = {graph.storage(n) for n in graph.gradients}
-    _run(order, graph, memory, keep=resident | outputs | gradients)
+    _run(order, memory, resident | outputs | gradients, storage, picks)
     return Liveness(
         peak_bytes=max(forward_peak, memory.peak),
         forward_peak_bytes=forward_peak,
@@ -203,6 +300,8 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = ()) -> Liveness:
         recompute_ops=len(recomputed),
         timeline=memory.timeline,
         recomputed=recomputed,
-        peak_live=forward_live if forward_peak > memory.peak else memory.peak_live,
+        peak_live=list(dict.fromkeys(  # a second recomputation stands for its original
+            n.removesuffix(AGAIN) for n in
+            (forward_live if forward_peak > memory.peak else memory.peak_live))),
         saved=sorted(saved_storage),
     )

@@ -102,7 +102,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         )
     if plan.graph_recompute is not None:  # runtime/graph_run.py
         return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None,
-                                amp=plan.amp, digest=plan.graph_digest)
+                                amp=plan.amp, digest=plan.graph_digest,
+                                twice=plan.graph_twice)
     modules = dict(model.named_modules())
     by_module: dict[str, list[Region]] = {}
     for region in plan.regions:

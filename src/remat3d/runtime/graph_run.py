@@ -6,7 +6,10 @@ NOTE [ Running a graph plan ]
      tag ``torch.utils.checkpoint``'s selective policies put on a joint graph) and hands
      the graph to torch's ``default_partition``: the backward graph gets copies of the
      recomputed ops, placed where backward first needs them; everything else the backward
-     reads is saved. Nothing is decided here that ``planner/liveness.py`` does not model.
+     reads is saved. A node the plan recomputes *twice* then gets a second copy for its
+     late readers (``recompute_twice``: the placement is ``planner/liveness.py``'s
+     ``late_copies``, the function the planner simulates with). Nothing is decided here
+     that ``planner/liveness.py`` does not model.
   2. The graphs run op by op, the same aten kernels as eager, so gradients and buffers are
      those of ordinary training (on CPU in fp32 with deterministic algorithms, bitwise).
   3. The model object, its parameters, buffers and ``state_dict`` stay as they are: only
@@ -41,6 +44,7 @@ from remat3d.capture.joint import (
 )
 from remat3d.errors import PlanError
 from remat3d.instrument.amp import amp_dtype
+from remat3d.planner.liveness import late_copies
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "measure_graph_plan",
            "remove_graph_plan", "tagged_partition"]
@@ -49,13 +53,16 @@ _ATTR = "_remat3d_graph_plan"
 _AMP_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def tagged_partition(recompute: Iterable[str], digest: str | None = None) -> Any:
-    """A partition function recomputing the nodes named ``recompute`` (NOTE rule 1) of a
-    joint graph whose :func:`graph_digest` is ``digest`` (None: not checked)."""
+def tagged_partition(recompute: Iterable[str], digest: str | None = None,
+                     twice: Iterable[str] = ()) -> Any:
+    """A partition function recomputing the nodes named ``recompute``, those of ``twice`` a
+    second time for their late readers (NOTE rule 1), of a joint graph whose
+    :func:`graph_digest` is ``digest`` (None: not checked)."""
     from torch._functorch.partitioners import default_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
     names = set(recompute)
+    again = set(twice)
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -74,10 +81,40 @@ def tagged_partition(recompute: Iterable[str], digest: str | None = None) -> Any
             if node.name in names:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 node.meta["ac_graph_id"] = 0
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                 **kwargs)
+        forward, backward = default_partition(joint, joint_inputs,
+                                              num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if again:
+            recompute_twice(backward, again)
+        return forward, backward
 
     return partition
+
+
+def recompute_twice(backward: fx.GraphModule, twice: set[str]) -> None:
+    """Give the late readers of each recomputed node of ``twice`` a second recomputation
+    of it, as ``planner/liveness.py``'s :func:`late_copies` places it (NOTE rule 1)."""
+    graph = backward.graph
+    ops = [n for n in graph.nodes if n.op == "call_function"]
+    steps = late_copies([(n.name, [a.name for a in n.all_input_nodes]) for n in ops],
+                        {n.name for n in ops} & twice)
+    env: dict[str, fx.Node] = {n.name: n for n in graph.nodes}
+    pending: list[tuple[str, str, list[str]]] = []
+    for name, source, inputs in steps:
+        if name != source:
+            pending.append((name, source, inputs))
+            continue
+        node = env[name]
+        for copy, original, copy_inputs in pending:  # just before their first reader
+            renamed = dict(zip((a.name for a in env[original].all_input_nodes), copy_inputs))
+            with graph.inserting_before(node):
+                env[copy] = graph.node_copy(env[original],
+                                            lambda a, r=renamed: env[r.get(a.name, a.name)])
+        pending.clear()
+        for old, new in zip([a.name for a in node.all_input_nodes], inputs):
+            if old != new:
+                node.replace_input_with(env[old], env[new])
+    graph.lint()
+    backward.recompile()
 
 
 def _signature(args: tuple, model: nn.Module) -> tuple:
@@ -89,10 +126,11 @@ def _signature(args: tuple, model: nn.Module) -> tuple:
 class _GraphPlan:
     def __init__(self, model: nn.Module, recompute: Iterable[str],
                  input_shapes: list[list[int]] | None, amp: str | None,
-                 digest: str | None) -> None:
+                 digest: str | None, twice: Iterable[str]) -> None:
         self.recompute = sorted(set(recompute))
         self.amp = amp_dtype(amp)
-        self.step = aot_step(model, tagged_partition(self.recompute, digest), self.amp)
+        self.step = aot_step(model, tagged_partition(self.recompute, digest, twice),
+                             self.amp)
         self.model = model
         self.input_shapes = input_shapes
         self.signature: tuple | None = None
@@ -143,16 +181,17 @@ class _GraphPlan:
 
 def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
                      input_shapes: list[list[int]] | None = None, amp: str | None = None,
-                     digest: str | None = None) -> nn.Module:
+                     digest: str | None = None, twice: Iterable[str] = ()) -> nn.Module:
     """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
     (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
     the planner gives), for inputs of ``input_shapes`` (None: the first call's), the
     forward under ``amp``'s autocast rules (rule 5), in a graph whose ``graph_digest`` is
-    ``digest`` (None: not checked). Returns the same model object."""
+    ``digest`` (None: not checked); those of ``twice`` (a subset of ``recompute``) are
+    recomputed a second time for their late readers. Returns the same model object."""
     if graph_plan_of(model) is not None:
         raise PlanError(f"{type(model).__name__} already runs a graph plan; "
                         "remove it first (remat3d.runtime.graph_run.remove_graph_plan).")
-    plan = _GraphPlan(model, recompute, input_shapes, amp, digest)
+    plan = _GraphPlan(model, recompute, input_shapes, amp, digest, twice)
     model.forward = plan  # type: ignore[method-assign]
     setattr(model, _ATTR, plan)
     return model
@@ -180,14 +219,16 @@ class GraphStep:
 
 
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
-                       device: str | None = None, amp: str | None = None) -> GraphStep:
-    """One step of ``model`` running the graph plan ``recompute`` under ``amp``, measured
-    by the tracker on fake tensors (NOTE rule 6); the loss is remat3d's default."""
+                       device: str | None = None, amp: str | None = None,
+                       twice: Iterable[str] = ()) -> GraphStep:
+    """One step of ``model`` running the graph plan (``recompute``, ``twice``) under
+    ``amp``, measured by the tracker on fake tensors (NOTE rule 6); the loss is
+    remat3d's default."""
     from remat3d.instrument.step import default_loss
     from remat3d.instrument.tracker import MemoryTracker
 
     fake_model, fake_inputs = fake_step(model, inputs, device)
-    apply_graph_plan(fake_model, recompute, amp=amp)
+    apply_graph_plan(fake_model, recompute, amp=amp, twice=twice)
     default_loss(fake_model(*fake_inputs)).backward()  # traced here, untracked
     for p in fake_model.parameters():
         p.grad = None
