@@ -61,3 +61,13 @@ def test_a_forward_that_cannot_be_traced_is_one_clear_error():
     message = str(err.value)
     assert message.startswith("_ValueDependent's step could not be traced as one graph")
     assert "module plans" in message
+
+
+def test_functionalization_copies_of_an_in_place_activation_are_elided():
+    # the decoder's in-place LeakyReLU: its functionalized backward copied the gradient
+    # three times (copy of a new_empty_strided, clone, copy back); eager makes none
+    # (after an InstanceNorm; after a BatchNorm torch makes no copies)
+    torch.manual_seed(0)
+    graph = capture(ParentConcat("instance"), (1, 1, 8, 8, 8)).graph
+    assert "leaky_relu_backward" in [n.op for n in graph.backward]
+    assert not [n.name for n in graph.nodes if n.op in ("copy", "clone", "new_empty_strided")]

@@ -33,6 +33,10 @@ NOTE [ Tracing the joint graph ]
   7. :func:`graph_digest` fingerprints a joint graph (its nodes, their ops and arguments):
      a plan names nodes, and names alone could match a different graph (another precision
      shifts every ``_to_copy``); the digest tells the step it runs in is the one planned.
+  8. Before the partition, copies that functionalization adds and eager never makes (an
+     in-place activation's backward: ``copy``, ``clone`` of a tensor into the same
+     layout) are elided (``_elide_copies``): their readers read the source, the same
+     bits, and the graph holds two fewer full-resolution tensors per such activation.
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ def aot_step(model: nn.Module, partition: PartitionFn,
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         _unread_running_stats(joint)
+        _elide_copies(joint)
         return partition(joint, joint_inputs, num_fwd_outputs, **kwargs)
 
     compiled: Callable[..., Any] | None = None
@@ -177,6 +182,39 @@ def _unread_running_stats(joint: fx.GraphModule) -> None:
             node.args = (*node.args[:3], None, None, *node.args[5:])
     joint.graph.eliminate_dead_code()
     joint.recompile()
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+        (a.shape, a.stride(), a.dtype, a.device, a.storage_offset()) == \
+        (b.shape, b.stride(), b.dtype, b.device, b.storage_offset())
+
+
+def _elide_copies(joint: fx.GraphModule) -> None:
+    """Functionalizing an in-place op on a view (an in-place LeakyReLU's backward) leaves
+    copies in the joint graph: ``copy(new_empty_strided(x), x)``, ``clone(x)``,
+    ``copy(view, y)``, each a fresh tensor the size of ``x`` that eager autograd never
+    makes (two extra full-resolution tensors per in-place activation at once, on the
+    backward's peak). In a functional graph a copy whose result has its source's layout
+    is its source's value: its readers read the source instead, bitwise the same, and
+    the dead buffers go. A copy the graph returns stays (an output must not alias)."""
+    aten = torch.ops.aten
+    changed = False
+    for node in list(joint.graph.nodes):
+        if node.target is aten.copy.default and len(node.args) >= 2:
+            source = node.args[1]
+        elif node.target is aten.clone.default:  # any memory format: the layouts decide
+            source = node.args[0]
+        else:
+            continue
+        if not isinstance(source, fx.Node) or any(u.op == "output" for u in node.users) \
+                or not _same_layout(_val(node), _val(source)):
+            continue
+        node.replace_all_uses_with(source)
+        changed = True
+    if changed:
+        joint.graph.eliminate_dead_code()
+        joint.recompile()
 
 
 @contextlib.contextmanager

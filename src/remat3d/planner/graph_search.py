@@ -9,9 +9,10 @@ NOTE [ Greedy on exact liveness ]
      its inputs would be saved in its place, and nothing gained). A candidate recomputed
      already is alive at the peak because a reader after it needs it: it is recomputed
      twice instead (``liveness.py`` NOTE rule 4), with the ops between it and the saved
-     tensors. Each is ranked by its bytes per unit of the cost it adds; the best few (and the largest few) are simulated
-     exactly, and the one that lowers the peak most per unit of cost is taken (``_gain``:
-     where forward and backward peak alike, lowering either counts). Until the peak
+     tensors. Each is ranked by its bytes per unit of the cost it adds; the best few
+     (and the largest few) are simulated exactly, and the one that lowers the peak most
+     per unit of cost is taken (``_gain``: where forward and backward peak alike,
+     lowering either counts). Until the peak
      fits, or no candidate lowers it (then the smallest peak reached is reported).
   3. Then each recomputed storage, costliest first, is kept again if the peak still fits:
      the greedy steps may have taken more than the final peak needs.

@@ -215,7 +215,10 @@ def _forward_graph(graph: OpGraph, saved: set[str]) -> list[OpNode]:
             continue
         needed.add(name)
         stack.extend(graph[name].inputs)
-    return [n for n in graph.forward if n.name in needed]
+    # an op's unneeded picks are made and dropped with it (they are in its order, so that
+    # they are freed there, not alive into backward)
+    return [n for n in graph.forward if n.name in needed
+            or (n.op == "getitem" and n.inputs[0] in needed)]
 
 
 def simulate(graph: OpGraph, recompute: Iterable[str] = (),
@@ -271,6 +274,9 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
             done.add(current)
             found.append(node)
             stack.extend(node.inputs)
+            # torch places an op's recomputed picks that backward reads right after it
+            stack.extend(p.name for p in graph.picks(current)
+                         if p.name in again and p.name in visited)
         return sorted(found, key=lambda n: position[n.name])
 
     recompute_flops, recomputed = 0, []
