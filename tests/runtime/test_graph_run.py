@@ -28,10 +28,20 @@ def _unet():
                 norm="instance")
 
 
+def _segresnet():
+    # trilinear upsampling (capture/joint.py NOTE rules 3 and 9: its indices made from
+    # nothing, its decomposition not eager's kernel)
+    from monai.networks.nets import SegResNet
+
+    return SegResNet(init_filters=4, blocks_down=(1, 1), blocks_up=(1,),
+                     norm=("GROUP", {"num_groups": 2}))
+
+
 NETS = {"concat-batchnorm": lambda: ParentConcat("batch"),
         "concat-instancenorm": lambda: ParentConcat("instance"),
         "aliased-and-tied": Aliased,
-        "monai-unet": _unet}
+        "monai-unet": _unet,
+        "monai-segresnet": _segresnet}
 
 
 def _plans(model, shape):

@@ -15,9 +15,11 @@ NOTE [ Tracing the joint graph ]
      flow is taken as it goes for this input shape (a plan is for one shape anyway).
   3. Tracing runs on fake tensors of the model's device (``cpu`` for a meta model): no
      memory is allocated, so a 512³ step is traced on any machine, and each op takes the
-     device's own path. (Not meta tensors: traced from meta inputs, ``aten::prelu``'s
-     backward went missing from the joint graph, autograd only warning that "an autograd
-     kernel was not registered", so a PReLU network lost most of its gradients.)
+     device's own path. The step runs inside their ``FakeTensorMode``: a tensor the
+     graph makes from nothing (``arange`` of an upsampling's indices) is fake too.
+     (Not meta tensors: traced from meta inputs, ``aten::prelu``'s backward went
+     missing from the joint graph, autograd only warning that "an autograd kernel was
+     not registered", so a PReLU network lost most of its gradients.)
   4. What cannot be traced (control flow on a tensor's values, ``.item()``, an op with no
      meta kernel) raises :class:`CaptureError` naming the cause; module plans need no
      graph.
@@ -37,6 +39,9 @@ NOTE [ Tracing the joint graph ]
      in-place activation's backward: ``copy``, ``clone`` of a tensor into the same
      layout) are elided (``_elide_copies``): their readers read the source, the same
      bits, and the graph holds two fewer full-resolution tensors per such activation.
+  9. Upsampling is traced as eager runs it (``_eager_upsampling``): the Python
+     decompositions of ``upsample_*`` that tracing would use are set aside while it
+     traces, so ``upsample_trilinear3d`` and its backward are the eager kernels (bitwise).
 """
 
 from __future__ import annotations
@@ -149,12 +154,41 @@ def aot_step(model: nn.Module, partition: PartitionFn,
                 compiled = aot_function(functional, fw_compiler=_run_eagerly,
                                         bw_compiler=_run_eagerly, partition_fn=partition_fn,
                                         num_params_buffers=len(params) + len(buffers))
-                # traced on this first call: the backward as eager's, outside autocast
-                with torch._functorch.config.patch(backward_pass_autocast="off"):
+                # traced on this first call: the backward as eager's, outside autocast,
+                # the upsampling eager's kernels
+                with torch._functorch.config.patch(backward_pass_autocast="off"), \
+                        _eager_upsampling():
                     return compiled(params, buffers, *args)
             return compiled(params, buffers, *args)
 
     return run
+
+
+@contextlib.contextmanager
+def _eager_upsampling() -> Iterator[None]:
+    """While tracing, upsampling runs eager's kernels (NOTE rule 9): the Python
+    decompositions torch registers for ``upsample_*`` (used under the tracer's Python
+    dispatcher, never in eager) compute trilinear weights in another order, so a traced
+    SegResNet's outputs differed from eager's in the last bits. Restored on exit."""
+    from torch._C import DispatchKey
+
+    removed = []
+    for name in dir(torch.ops.aten):
+        if not name.lstrip("_").startswith("upsample_"):
+            continue
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            kernel = op.py_kernels.pop(DispatchKey.CompositeImplicitAutograd, None)
+            if kernel is not None:
+                removed.append((op, kernel))
+                op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in removed:
+            op.py_kernels[DispatchKey.CompositeImplicitAutograd] = kernel
+            op._dispatch_cache.clear()
 
 
 def graph_digest(joint: fx.GraphModule) -> str:
@@ -321,7 +355,7 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None,
     params = list(fake_model.parameters())
     buffers = list(fake_model.buffers())
     versions = [b._version for b in buffers]
-    with tracing_errors(model):
+    with tracing_errors(model), fake_inputs[0].fake_mode:
         aot_step(fake_model, record, amp)(*fake_inputs)
     if "joint" not in seen:
         raise CaptureError(f"{type(model).__name__}'s forward made no output that needs a "

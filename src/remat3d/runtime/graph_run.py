@@ -228,15 +228,17 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
     from remat3d.instrument.tracker import MemoryTracker
 
     fake_model, fake_inputs = fake_step(model, inputs, device)
+    fake_mode = fake_inputs[0].fake_mode  # what the graph makes from nothing is fake too
     apply_graph_plan(fake_model, recompute, amp=amp, twice=twice)
-    default_loss(fake_model(*fake_inputs)).backward()  # traced here, untracked
+    with fake_mode:
+        default_loss(fake_model(*fake_inputs)).backward()  # traced here, untracked
     for p in fake_model.parameters():
         p.grad = None
     tracker = MemoryTracker(fake_inputs[0].device)
     try:
         tracker.register_model(fake_model)
         tracker.register(list(fake_inputs), "input")
-        with tracker:
+        with fake_mode, tracker:
             output = fake_model(*fake_inputs)
             tracker.mark_forward_end(output)
             tracker.phase = "backward"
