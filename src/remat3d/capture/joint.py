@@ -15,8 +15,9 @@ NOTE [ Tracing the joint graph ]
      flow is taken as it goes for this input shape (a plan is for one shape anyway).
   3. Tracing runs on fake tensors of the model's device (``cpu`` for a meta model): no
      memory is allocated, so a 512³ step is traced on any machine, and each op takes the
-     device's own path. The step runs inside their ``FakeTensorMode``: a tensor the
-     graph makes from nothing (``arange`` of an upsampling's indices) is fake too.
+     device's own path. The graphs run inside their ``FakeTensorMode`` (``run`` enters
+     it unless it is active): a tensor a graph makes from nothing (``arange`` of an
+     upsampling's indices, SwinUNETR's attention mask) is fake too.
      (Not meta tensors: traced from meta inputs, ``aten::prelu``'s backward went
      missing from the joint graph, autograd only warning that "an autograd kernel was
      not registered", so a PReLU network lost most of its gradients.)
@@ -97,7 +98,11 @@ def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     forward = gm.forward
 
     def run(args: list) -> Any:
-        return forward(args)
+        mode = _fake_mode_to_enter(args)
+        if mode is None:
+            return forward(args)
+        with mode:  # NOTE rule 3: what the graph makes from nothing is fake too
+            return forward(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
@@ -122,6 +127,18 @@ def _forward_precision(amp: torch.dtype | None) -> contextlib.AbstractContextMan
     from remat3d.instrument.amp import MetaAutocast
 
     return contextlib.nullcontext() if amp is None else MetaAutocast(amp, any_device=True)
+
+
+def _fake_mode_to_enter(args: list) -> Any:
+    """The fake mode of ``args``' fake tensors, unless it is active already (the caller's,
+    beneath a tracker that must see every op)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
+    if mode is None or any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return None
+    return mode
 
 
 def aot_step(model: nn.Module, partition: PartitionFn,
@@ -155,8 +172,11 @@ def aot_step(model: nn.Module, partition: PartitionFn,
                                         bw_compiler=_run_eagerly, partition_fn=partition_fn,
                                         num_params_buffers=len(params) + len(buffers))
                 # traced on this first call: the backward as eager's, outside autocast,
-                # the upsampling eager's kernels
-                with torch._functorch.config.patch(backward_pass_autocast="off"), \
+                # the upsampling eager's kernels; the backward graph made now, not
+                # deep-copied at the first backward (where a fake constant, SwinUNETR's
+                # attention mask, cannot be copied under the fake mode)
+                with torch._functorch.config.patch(backward_pass_autocast="off",
+                                                   force_non_lazy_backward_lowering=True), \
                         _eager_upsampling():
                     return compiled(params, buffers, *args)
             return compiled(params, buffers, *args)
@@ -355,7 +375,7 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None,
     params = list(fake_model.parameters())
     buffers = list(fake_model.buffers())
     versions = [b._version for b in buffers]
-    with tracing_errors(model), fake_inputs[0].fake_mode:
+    with tracing_errors(model):
         aot_step(fake_model, record, amp)(*fake_inputs)
     if "joint" not in seen:
         raise CaptureError(f"{type(model).__name__}'s forward made no output that needs a "

@@ -228,17 +228,19 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
     from remat3d.instrument.tracker import MemoryTracker
 
     fake_model, fake_inputs = fake_step(model, inputs, device)
-    fake_mode = fake_inputs[0].fake_mode  # what the graph makes from nothing is fake too
     apply_graph_plan(fake_model, recompute, amp=amp, twice=twice)
-    with fake_mode:
-        default_loss(fake_model(*fake_inputs)).backward()  # traced here, untracked
+    # traced here, untracked; the graphs enter the fake mode themselves (not entered
+    # here: AOTAutograd deep-copies the backward graph on its first run, and a lifted
+    # constant, a torch.tensor(2.0) in forward, is a real tensor it cannot copy under it)
+    default_loss(fake_model(*fake_inputs)).backward()
     for p in fake_model.parameters():
         p.grad = None
     tracker = MemoryTracker(fake_inputs[0].device)
     try:
         tracker.register_model(fake_model)
         tracker.register(list(fake_inputs), "input")
-        with fake_mode, tracker:
+        # the fake mode entered beneath the tracker, which must see every op first
+        with fake_inputs[0].fake_mode, tracker:
             output = fake_model(*fake_inputs)
             tracker.mark_forward_end(output)
             tracker.phase = "backward"
