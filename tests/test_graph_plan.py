@@ -117,3 +117,15 @@ def test_nnunet_v2s_own_network_plans_below_every_module_plan():
         floors[graph] = err.value.smallest_feasible_bytes / err.value.unplanned_peak_bytes
     # measured 0.640x against 0.735x with deterministic algorithms (the suite's), 0.593x without
     assert floors[True] < floors[False] - 0.05
+
+
+def test_a_step_that_cannot_be_traced_warns_and_gets_a_module_plan():
+    # RevUNet's couplings keep the RNG state as a real tensor: no graph can hold it
+    from remat3d.nn.revunet import RevUNet
+
+    model = RevUNet(3, 1, 2, channels=(4, 8), blocks=1)
+    with pytest.warns(RuntimeWarning, match="could not be traced as one graph.*modules"):
+        plan = remat3d.plan(model, SHAPE, budget="0.9x", strategy="graph")
+    assert plan.graph_recompute is None and plan.strategy == "optimal"
+    assert plan.verified_peak_bytes <= plan.budget_bytes
+    assert any("Planned its modules instead" in note for note in plan.notes)

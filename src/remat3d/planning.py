@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,7 +21,13 @@ import torch
 from torch import nn
 
 from remat3d.capture.joint import capture
-from remat3d.errors import BudgetError, InfeasibleBudgetError, PlanError, Remat3dError
+from remat3d.errors import (
+    BudgetError,
+    CaptureError,
+    InfeasibleBudgetError,
+    PlanError,
+    Remat3dError,
+)
 from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.measurement import measure
@@ -127,7 +134,9 @@ def plan(
             backward; ``docs/architecture.md``, Graph plans; ``strategy="graph"`` says
             the same). Recompute only, for now: no ``offload`` or ``loss_fn``;
             ``strategy`` and ``tile`` do not apply. Under ``amp`` the plan runs the
-            forward under CUDA autocast's rules itself, on every device.
+            forward under CUDA autocast's rules itself, on every device. A step that
+            cannot be traced as one graph warns, naming why, and is planned by its
+            modules (``strategy="graph"`` then means ``"optimal"``).
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -162,11 +171,20 @@ def plan(
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes)
 
+    fallback = None
     if graph:
-        chosen = _graph_plan(model, examples, header, prof.peak_bytes,
-                             prof.graph.forward_flops + prof.graph.backward_flops)
-        _CACHE[key] = chosen
-        return copy.deepcopy(chosen)
+        try:
+            chosen = _graph_plan(model, examples, header, prof.peak_bytes,
+                                 prof.graph.forward_flops + prof.graph.backward_flops)
+        except CaptureError as exc:  # one clear message, and the module plan instead
+            fallback = f"{exc} Planned its modules instead (a module plan)."
+            warnings.warn(fallback, RuntimeWarning, stacklevel=2)
+            if strategy == "graph":
+                strategy = "optimal"
+            header = dataclasses.replace(header, strategy=strategy)
+        else:
+            _CACHE[key] = chosen
+            return copy.deepcopy(chosen)
     stages = build_stages(prof.graph)
     verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages)
     chosen = search(Problem(
@@ -175,6 +193,8 @@ def plan(
         step_flops=prof.graph.forward_flops + prof.graph.backward_flops,
         unplanned_peak=prof.peak_bytes, verify=verifier if verify else None,
         tileable=tileable if tile else None))
+    if fallback is not None:
+        chosen.notes.append(fallback)
     _CACHE[key] = chosen
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
