@@ -213,3 +213,19 @@ def test_swinunetr_is_captured_and_measured_without_memory():
     predicted = simulate(graph, every).peak_bytes
     measured = measure_graph_plan(model, (shape,), every).peak_bytes
     assert abs(predicted - measured) <= 0.03 * measured
+
+
+def test_batchnorm_in_training_is_recomputed_without_its_running_statistics(deterministic):
+    # its output reads none of them; they are updated in place after the forward
+    torch.manual_seed(0)
+    model = ParentConcat("batch")
+    x = torch.randn(1, 1, 16, 16, 16)
+    graph = capture(model, tuple(x.shape)).graph
+    norms = [n.name for n in graph.forward if n.op == "_native_batch_norm_legit_functional"]
+    assert norms and all(graph[n].recomputable for n in norms)
+    recompute = closed_recompute(graph, norms)
+    assert set(norms) <= recompute
+    reference = train_step(copy.deepcopy(model), x)
+    got = train_step(apply_graph_plan(copy.deepcopy(model), recompute), x)
+    for want, have in zip(reference[1:], got[1:]):  # gradients, running statistics
+        assert all(torch.equal(want[k], have[k]) for k in want)

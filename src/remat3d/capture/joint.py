@@ -413,6 +413,11 @@ def _recomputable(target: Any) -> bool:
         not target._schema.is_mutable
 
 
+def batch_norm_in_training(node: fx.Node) -> bool:
+    return node.target is torch.ops.aten._native_batch_norm_legit_functional.default and \
+        node.args[5] is True
+
+
 def op_graph(joint: fx.GraphModule, num_fwd_outputs: int, model: str,
              input_shapes: list[list[int]], mutated: set[str] | frozenset = frozenset(),
              ) -> OpGraph:
@@ -420,7 +425,9 @@ def op_graph(joint: fx.GraphModule, num_fwd_outputs: int, model: str,
 
     ``mutated`` names the inputs the step updates in place after its forward (BatchNorm's
     running statistics): an op reading one cannot be recomputed in backward, which would
-    read the updated value (autograd's version check refuses it)."""
+    read the updated value (autograd's version check refuses it); except BatchNorm in
+    training itself, whose normalized output reads none of them (recomputed without
+    them: ``runtime/graph_run.py``, ``recompute_without_running_stats``)."""
     nodes: list[OpNode] = []
     base: dict[str, str] = {}
     picked: dict[str, set[int]] = {}
@@ -439,8 +446,9 @@ def op_graph(joint: fx.GraphModule, num_fwd_outputs: int, model: str,
         phase = "backward" if node.meta.get("partitioner_tag") == "is_backward" \
             else "forward"
         op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        entry = OpNode(node.name, op, phase, inputs, recomputable=_recomputable(node.target)
-                       and not mutated.intersection(inputs))
+        reads_updated = mutated.intersection(inputs) and not batch_norm_in_training(node)
+        entry = OpNode(node.name, op, phase, inputs,
+                       recomputable=_recomputable(node.target) and not reads_updated)
         if node.target is operator.getitem:
             entry.bytes = _nbytes(value)
         elif isinstance(value, (tuple, list)):  # a multi-output op: its getitems own them

@@ -9,7 +9,9 @@ NOTE [ Running a graph plan ]
      reads is saved. A node the plan recomputes *twice* then gets a second copy for its
      late readers (``recompute_twice``: the placement is ``planner/liveness.py``'s
      ``late_copies``, the function the planner simulates with). Nothing is decided here
-     that ``planner/liveness.py`` does not model.
+     that ``planner/liveness.py`` does not model. A BatchNorm in training recomputed in
+     backward runs without its running statistics (``recompute_without_running_stats``):
+     its output reads none, and they were updated in place after the forward.
   2. The graphs run op by op, the same aten kernels as eager, so gradients and buffers are
      those of ordinary training (on CPU in fp32 with deterministic algorithms, bitwise).
   3. The model object, its parameters, buffers and ``state_dict`` stay as they are: only
@@ -28,6 +30,7 @@ NOTE [ Running a graph plan ]
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,7 @@ from torch import fx, nn
 from remat3d.capture.joint import (
     ambient_autocast,
     aot_step,
+    batch_norm_in_training,
     fake_step,
     graph_digest,
     tracing_errors,
@@ -83,11 +87,64 @@ def tagged_partition(recompute: Iterable[str], digest: str | None = None,
                 node.meta["ac_graph_id"] = 0
         forward, backward = default_partition(joint, joint_inputs,
                                               num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if recompute_without_running_stats(backward):
+            _drop_unread_saved(forward, backward, num_fwd_outputs)
         if again:
             recompute_twice(backward, again)
         return forward, backward
 
     return partition
+
+
+def recompute_without_running_stats(backward: fx.GraphModule) -> bool:
+    """A BatchNorm the backward recomputes runs without its running statistics (NOTE
+    rule 1): in training its output, mean and inverse std read none of them, the same
+    kernel computes them bitwise alike, and the statistics the forward updated in place
+    are then not read after the update (autograd's version check refused it). Whether
+    any was rewritten (the statistics are then saved for nothing: ``_drop_unread_saved``)."""
+    changed = False
+    for node in list(backward.graph.nodes):
+        if node.op != "call_function" or not batch_norm_in_training(node) or \
+                any(u.target is not operator.getitem or u.args[1] > 2 for u in node.users):
+            continue
+        x, weight, bias, _, _, training, momentum, eps = node.args
+        with backward.graph.inserting_before(node):
+            plain = backward.graph.call_function(
+                torch.ops.aten._native_batch_norm_legit.no_stats,
+                (x, weight, bias, training, momentum, eps))
+        plain.meta = dict(node.meta)
+        node.replace_all_uses_with(plain)
+        name = node.name
+        backward.graph.erase_node(node)
+        # the old name kept (a plan names nodes: recomputed twice, say); the namespace
+        # has it reserved, so no later node takes it
+        plain.name = name
+        backward.graph._graph_namespace._rename_object(plain, name)
+        changed = True
+    if changed:
+        backward.graph.lint()
+        backward.recompile()
+    return changed
+
+
+def _drop_unread_saved(forward: fx.GraphModule, backward: fx.GraphModule,
+                       num_fwd_outputs: int) -> None:
+    """Saved tensors the backward no longer reads, left out of both graphs: the forward
+    returns its outputs, then what it saves, in the order of the backward's first inputs
+    (``default_partition``'s convention, which AOTAutograd reads back from the graphs)."""
+    saved = [n for n in backward.graph.nodes
+             if n.op == "placeholder" and not n.name.startswith("tangents")]
+    (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    results = list(output.args[0])
+    unread = [k for k, node in enumerate(saved) if not node.users]
+    for k in reversed(unread):
+        backward.graph.erase_node(saved[k])
+        del results[num_fwd_outputs + k]
+    output.args = (tuple(results),)
+    for module in (forward, backward):
+        module.graph.eliminate_dead_code()
+        module.graph.lint()
+        module.recompile()
 
 
 def recompute_twice(backward: fx.GraphModule, twice: set[str]) -> None:
