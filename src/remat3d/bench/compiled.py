@@ -24,8 +24,10 @@ NOTE [ Measuring a compiled step ]
      MetaAutocast on the eager model, and the runner reports the difference.
   5. On meta, some ops have no autograd kernel inside a compiled graph (``aot_eager``
      traces ``aten::prelu`` of MONAI's UNet as non-differentiable: 2 of 97 parameters
-     get gradients), which silently cuts the backward. A step that leaves a trainable
-     parameter without a gradient is refused; such models are measured on CPU.
+     get gradients), which silently cuts the backward. A compiled step that leaves a
+     parameter without a gradient that the eager step gives one is refused; such models
+     are measured on CPU. (Parameters no step reaches, nnU-Net v2's deep-supervision
+     heads with deep supervision off, have no gradient in either.)
 """
 
 from __future__ import annotations
@@ -129,9 +131,19 @@ def _measure(model: nn.Module, shape: tuple[int, ...], device: str, amp: str | N
         raise Remat3dError("torch.compile recompiled during the measured step, so the "
                            "measurement would include compilation; not measured.")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    missing = sum(p.grad is None for p in trainable)
+    reached = {id(p) for p in trainable if p.grad is not None}
     for p in model.parameters():
         p.grad = None
+    if compiled:  # what the eager step reaches (NOTE rule 5)
+        forward_backward(prepare_step(getattr(model, "_orig_mod", model), [shape], device,
+                                      amp, None))
+        expected = [p for p in trainable if p.grad is not None]
+        for p in model.parameters():
+            p.grad = None
+        trainable = expected
+    else:  # the eager step is the reference
+        trainable = [p for p in trainable if id(p) in reached]
+    missing = sum(id(p) not in reached for p in trainable)
     if missing:  # NOTE rule 5
         raise Remat3dError(
             f"the compiled step on {device} left {missing} of {len(trainable)} parameters "

@@ -194,8 +194,14 @@ def _compile_records(run: CaseRun, budgets: tuple[float, ...]) -> list[Record]:
         return []
     note = ""
     if run.amp is not None:  # explicit casts stand in for autocast (compiled.py NOTE 4)
-        eager = measure_cast_step(run.build("meta"), run.shape, "meta",
-                                  run.amp)
+        try:
+            eager = measure_cast_step(run.build("meta"), run.shape, "meta", run.amp)
+        except Exception as exc:  # noqa: BLE001 - a failed baseline is a bench result
+            for b in budgets:
+                run.add("compile", f"memory_budget={b}", status="error",
+                        note=f"the eager step with explicit casts failed: "
+                             f"{type(exc).__name__}: {str(exc)[:300]}")
+            return []
         ref = run.records[0]
         diff = abs(eager.peak_bytes - (ref.peak_bytes or 0)) / max(1, ref.peak_bytes or 1)
         note = (f"autocast as explicit casts; eager with those casts peaks "
