@@ -244,6 +244,23 @@ def _same_layout(a: Any, b: Any) -> bool:
         (b.shape, b.stride(), b.dtype, b.device, b.storage_offset())
 
 
+def _returned(node: fx.Node) -> bool:
+    """Whether the graph returns ``node`` or a view of it (two gradients must not share a
+    storage: an optimizer updating one in place would change the other)."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if user.target is operator.getitem or _is_view(user.target):
+                stack.append(user)
+    return False
+
+
 def _elide_copies(joint: fx.GraphModule) -> None:
     """Functionalizing an in-place op on a view (an in-place LeakyReLU's backward) leaves
     copies in the joint graph: ``copy(new_empty_strided(x), x)``, ``clone(x)``,
@@ -251,7 +268,8 @@ def _elide_copies(joint: fx.GraphModule) -> None:
     makes (two extra full-resolution tensors per in-place activation at once, on the
     backward's peak). In a functional graph a copy whose result has its source's layout
     is its source's value: its readers read the source instead, bitwise the same, and
-    the dead buffers go. A copy the graph returns stays (an output must not alias)."""
+    the dead buffers go. A copy the graph returns, itself or through views, stays (an
+    output must not alias)."""
     aten = torch.ops.aten
     changed = False
     for node in list(joint.graph.nodes):
@@ -261,7 +279,7 @@ def _elide_copies(joint: fx.GraphModule) -> None:
             source = node.args[0]
         else:
             continue
-        if not isinstance(source, fx.Node) or any(u.op == "output" for u in node.users) \
+        if not isinstance(source, fx.Node) or _returned(node) \
                 or not _same_layout(_val(node), _val(source)):
             continue
         node.replace_all_uses_with(source)
