@@ -41,7 +41,8 @@ def test_plans_fit_their_budget_as_measured_and_cost_more_for_less(captured):
         choice = search_graph(graph, int(fraction * unplanned))
         assert choice.fits, fraction
         assert choice.recompute == sorted(closed_recompute(graph, choice.recompute))
-        measured = measure_graph_plan(model, (shape,), choice.recompute).peak_bytes
+        measured = measure_graph_plan(model, (shape,), choice.recompute,
+                                      twice=choice.twice).peak_bytes
         assert choice.liveness.peak_bytes <= fraction * unplanned
         assert abs(measured - choice.liveness.peak_bytes) <= 0.03 * measured
         costs.append(choice.cost)
@@ -54,3 +55,22 @@ def test_an_infeasible_budget_returns_the_smallest_peak_found(captured):
     choice = search_graph(graph, weights)  # below what parameters alone take
     assert not choice.fits
     assert choice.liveness.peak_bytes < simulate(graph).peak_bytes
+
+
+def test_a_later_search_walks_the_path_and_chooses_what_a_fresh_one_does(captured):
+    # the greedy's steps do not depend on the budget (graph_search.py NOTE rule 4)
+    from remat3d.planner import graph_search
+
+    _, _, graph = captured
+    graph_search._PATHS.clear()
+    floor = search_graph(graph, 1).liveness.peak_bytes  # the whole path, then walked
+    middle = (floor + simulate(graph).peak_bytes) // 2
+    walked = [search_graph(graph, b) for b in (floor, middle)]
+    fresh = []
+    for budget in (floor, middle):
+        graph_search._PATHS.clear()
+        fresh.append(search_graph(graph, budget))
+    for a, b in zip(walked, fresh):
+        assert (a.recompute, a.twice, a.fits, a.liveness.peak_bytes) == \
+            (b.recompute, b.twice, b.fits, b.liveness.peak_bytes)
+    assert walked[0].fits and walked[0].liveness.peak_bytes == floor

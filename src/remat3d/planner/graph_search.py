@@ -16,6 +16,11 @@ NOTE [ Greedy on exact liveness ]
      fits, or no candidate lowers it (then the smallest peak reached is reported).
   3. Then each recomputed storage, costliest first, is kept again if the peak still fits:
      the greedy steps may have taken more than the final peak needs.
+  4. The steps of rule 2 do not depend on the budget, only where they stop does: the path
+     taken on a graph is kept (for the last few graphs, in this process) and a later
+     search on the same graph walks it before stepping further. Planning at the smallest
+     peak an infeasible budget named, or again with a tightened target, costs a walk,
+     not a second search; the choice is the one a fresh search makes.
   The cost of an op is its FLOPs; a memory-bound op (a norm, an activation, a ``cat``:
   no FLOPs counted) costs reading and writing its output at memory bandwidth, in FLOP
   equivalents (:class:`Costs`, shared with ``optimal``).
@@ -23,6 +28,8 @@ NOTE [ Greedy on exact liveness ]
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from remat3d.opgraph import OpGraph
@@ -57,14 +64,64 @@ def search_graph(graph: OpGraph, budget_bytes: int, costs: Costs | None = None
                  ) -> GraphChoice:
     """The recompute set for ``budget_bytes`` (module NOTE)."""
     costs = costs or Costs()
-    chosen: set[str] = set()
-    twice: set[str] = set()
-    live = simulate(graph)
-    best = GraphChoice([], [], live, 0.0, live.peak_bytes <= budget_bytes)
-    if best.fits:
-        return best
+    path = _path(graph, costs)
+    # the greedy's steps made so far (NOTE rule 4): the first that fits, or step further
+    fitting = next((i for i, peak in enumerate(path.peaks) if peak <= budget_bytes), None)
+    if fitting is None:
+        chosen, twice, live = _extend(graph, path, budget_bytes, costs)
+    else:
+        chosen, twice = path.states[fitting]
+        live = simulate(graph, chosen, twice) if chosen else path.start
+    if not chosen:
+        return GraphChoice([], [], live, 0.0, live.peak_bytes <= budget_bytes)
+    if live.peak_bytes > budget_bytes:
+        best_chosen, best_twice = path.lowest
+        best = simulate(graph, best_chosen, best_twice)
+        return GraphChoice(sorted(best_chosen), _closed(graph, best_twice, best_chosen),
+                           best, _cost(graph, best, costs), False)
+    return _lean(graph, set(chosen), set(twice), live, budget_bytes, costs)
+
+
+@dataclass
+class _Path:
+    """The greedy's steps on one graph (NOTE rule 4): they do not depend on the budget,
+    which only decides where to stop."""
+
+    start: Liveness
+    states: list[tuple[frozenset[str], frozenset[str]]]  # (chosen, twice), step by step
+    peaks: list[int]  # each state's peak
+    lowest: tuple[frozenset[str], frozenset[str]]  # the state of the lowest peak seen
+    lowest_peak: int
+    done: bool = False  # no candidate lowered the peak any more
+
+
+_PATHS: OrderedDict[tuple[str, str], _Path] = OrderedDict()
+_PATHS_KEPT = 4
+
+
+def _path(graph: OpGraph, costs: Costs) -> _Path:
+    key = (hashlib.sha256(graph.to_json().encode()).hexdigest(), repr(costs))
+    if key in _PATHS:
+        _PATHS.move_to_end(key)
+        return _PATHS[key]
+    start = simulate(graph)
+    path = _Path(start, [(frozenset(), frozenset())], [start.peak_bytes],
+                 (frozenset(), frozenset()), start.peak_bytes)
+    _PATHS[key] = path
+    if len(_PATHS) > _PATHS_KEPT:
+        _PATHS.popitem(last=False)
+    return path
+
+
+def _extend(graph: OpGraph, path: _Path, budget_bytes: int, costs: Costs
+            ) -> tuple[frozenset[str], frozenset[str], Liveness]:
+    """NOTE rule 2 from the path's last state until the peak fits or no candidate lowers
+    it; the path records each step."""
+    chosen_, twice_ = path.states[-1]
+    chosen, twice = set(chosen_), set(twice_)
+    live = simulate(graph, chosen, twice) if chosen else path.start
     fixed = {n.name for n in graph.nodes if n.phase != "forward"} | set(graph.outputs)
-    while live.peak_bytes > budget_bytes:
+    while live.peak_bytes > budget_bytes and not path.done:
         current_cost = _cost(graph, live, costs)
         ranked = []
         for storage in live.peak_live:
@@ -93,14 +150,14 @@ def search_graph(graph: OpGraph, budget_bytes: int, costs: Costs | None = None
             if step is None or score > step[0]:
                 step = (score, extra, again, trial)
         if step is None:
+            path.done = True
             break
         _, chosen, twice, live = step
-        if live.peak_bytes < best.liveness.peak_bytes:
-            best = GraphChoice(sorted(chosen), _closed(graph, twice, chosen), live,
-                               _cost(graph, live, costs), False)
-    if live.peak_bytes > budget_bytes:
-        return best
-    return _lean(graph, chosen, twice, live, budget_bytes, costs)
+        path.states.append((frozenset(chosen), frozenset(twice)))
+        path.peaks.append(live.peak_bytes)
+        if live.peak_bytes < path.lowest_peak:
+            path.lowest, path.lowest_peak = path.states[-1], live.peak_bytes
+    return frozenset(chosen), frozenset(twice), live
 
 
 def _gain(before: Liveness, after: Liveness) -> float:
