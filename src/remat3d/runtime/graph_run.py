@@ -113,6 +113,8 @@ def recompute_without_running_stats(backward: fx.GraphModule) -> bool:
                 torch.ops.aten._native_batch_norm_legit.no_stats,
                 (x, weight, bias, training, momentum, eps))
         plain.meta = dict(node.meta)
+        if isinstance(plain.meta.get("val"), (tuple, list)):  # three outputs, not five
+            plain.meta["val"] = tuple(plain.meta["val"][:3])
         node.replace_all_uses_with(plain)
         name = node.name
         backward.graph.erase_node(node)
