@@ -172,11 +172,8 @@ def aot_step(model: nn.Module, partition: PartitionFn,
                                         bw_compiler=_run_eagerly, partition_fn=partition_fn,
                                         num_params_buffers=len(params) + len(buffers))
                 # traced on this first call: the backward as eager's, outside autocast,
-                # the upsampling eager's kernels; the backward graph made now, not
-                # deep-copied at the first backward (where a fake constant, SwinUNETR's
-                # attention mask, cannot be copied under the fake mode)
-                with torch._functorch.config.patch(backward_pass_autocast="off",
-                                                   force_non_lazy_backward_lowering=True), \
+                # the upsampling eager's kernels
+                with torch._functorch.config.patch(backward_pass_autocast="off"), \
                         _eager_upsampling():
                     return compiled(params, buffers, *args)
             return compiled(params, buffers, *args)
