@@ -61,13 +61,13 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from remat3d.errors import CaptureError, Remat3dError, quoted
+from remat3d.instrument.amp import MetaAutocast, ambient_autocast
 from remat3d.instrument.flops import op_flops
 from remat3d.opgraph import OpGraph, OpNode
 
 __all__ = [
     "Captured",
     "PartitionFn",
-    "ambient_autocast",
     "aot_step",
     "capture",
     "fake_step",
@@ -108,12 +108,6 @@ def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     return run
 
 
-def ambient_autocast() -> list[tuple[str, torch.dtype]]:
-    """The device types ``torch.autocast`` is on for here, with its dtype for each."""
-    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-            if torch.is_autocast_enabled(d)]
-
-
 @contextlib.contextmanager
 def _without_ambient_autocast() -> Iterator[None]:
     """The caller's ``torch.autocast`` off (NOTE rule 6)."""
@@ -124,8 +118,6 @@ def _without_ambient_autocast() -> Iterator[None]:
 
 
 def _forward_precision(amp: torch.dtype | None) -> contextlib.AbstractContextManager:
-    from remat3d.instrument.amp import MetaAutocast
-
     return contextlib.nullcontext() if amp is None else MetaAutocast(amp, any_device=True)
 
 

@@ -45,7 +45,9 @@ __all__ = [
     "PROMOTE_OPS",
     "PYTHON_WRAPPERS",
     "MetaAutocast",
+    "ambient_autocast",
     "amp_dtype",
+    "amp_name",
 ]
 
 LOWER_PRECISION_OPS = frozenset({
@@ -95,6 +97,17 @@ def amp_dtype(amp: str | None) -> torch.dtype | None:
     """Map ``None | "none" | "bf16" | "fp16"`` to a dtype; raise a clear error otherwise."""
     name = parse_amp(amp)
     return None if name is None else _AMP_DTYPES[name]
+
+
+def amp_name(dtype: torch.dtype) -> str:
+    """The ``amp`` name of a dtype (``torch.bfloat16`` -> ``"bf16"``), else the dtype."""
+    return next((n for n, d in _AMP_DTYPES.items() if d == dtype), str(dtype))
+
+
+def ambient_autocast() -> list[tuple[str, torch.dtype]]:
+    """The device types ``torch.autocast`` is on for here, with its dtype for each."""
+    return [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+            if torch.is_autocast_enabled(d)]
 
 
 def _op_name(func: Any) -> str:

@@ -75,7 +75,8 @@ def search_graph(graph: OpGraph, budget_bytes: int, costs: Costs | None = None
     if not chosen:
         return GraphChoice([], [], live, 0.0, live.peak_bytes <= budget_bytes)
     if live.peak_bytes > budget_bytes:
-        best_chosen, best_twice = path.lowest
+        lowest = min(range(len(path.peaks)), key=path.peaks.__getitem__)  # the first
+        best_chosen, best_twice = path.states[lowest]
         best = simulate(graph, best_chosen, best_twice)
         return GraphChoice(sorted(best_chosen), _closed(graph, best_twice, best_chosen),
                            best, _cost(graph, best, costs), False)
@@ -90,8 +91,6 @@ class _Path:
     start: Liveness
     states: list[tuple[frozenset[str], frozenset[str]]]  # (chosen, twice), step by step
     peaks: list[int]  # each state's peak
-    lowest: tuple[frozenset[str], frozenset[str]]  # the state of the lowest peak seen
-    lowest_peak: int
     done: bool = False  # no candidate lowered the peak any more
 
 
@@ -105,8 +104,7 @@ def _path(graph: OpGraph, costs: Costs) -> _Path:
         _PATHS.move_to_end(key)
         return _PATHS[key]
     start = simulate(graph)
-    path = _Path(start, [(frozenset(), frozenset())], [start.peak_bytes],
-                 (frozenset(), frozenset()), start.peak_bytes)
+    path = _Path(start, [(frozenset(), frozenset())], [start.peak_bytes])
     _PATHS[key] = path
     if len(_PATHS) > _PATHS_KEPT:
         _PATHS.popitem(last=False)
@@ -155,8 +153,6 @@ def _extend(graph: OpGraph, path: _Path, budget_bytes: int, costs: Costs
         _, chosen, twice, live = step
         path.states.append((frozenset(chosen), frozenset(twice)))
         path.peaks.append(live.peak_bytes)
-        if live.peak_bytes < path.lowest_peak:
-            path.lowest, path.lowest_peak = path.states[-1], live.peak_bytes
     return frozenset(chosen), frozenset(twice), live
 
 

@@ -39,7 +39,6 @@ import torch
 from torch import fx, nn
 
 from remat3d.capture.joint import (
-    ambient_autocast,
     aot_step,
     batch_norm_in_training,
     fake_step,
@@ -47,14 +46,13 @@ from remat3d.capture.joint import (
     tracing_errors,
 )
 from remat3d.errors import PlanError
-from remat3d.instrument.amp import amp_dtype
+from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "measure_graph_plan",
            "remove_graph_plan", "tagged_partition"]
 
 _ATTR = "_remat3d_graph_plan"
-_AMP_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def tagged_partition(recompute: Iterable[str], digest: str | None = None,
@@ -200,7 +198,7 @@ class _GraphPlan:
                 raise PlanError(
                     f"This graph plan was made for full precision (amp=None), but the step "
                     f"runs under torch.autocast({device!r}, dtype={dtype}). Plan it with "
-                    f"amp={_AMP_NAMES.get(dtype, str(dtype))!r}, or run it outside autocast.")
+                    f"amp={amp_name(dtype)!r}, or run it outside autocast.")
             if dtype != self.amp:
                 raise PlanError(
                     f"This graph plan was made for autocast to {self.amp} and runs it "

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import noop_context_fn, set_checkpoint_debug_enabled
 
 from remat3d.errors import InPlaceInputError, Remat3dError
-from remat3d.instrument.amp import MetaAutocast, active_meta_autocast
+from remat3d.instrument.amp import MetaAutocast, active_meta_autocast, ambient_autocast
 from remat3d.instrument.ledger import unique_storage_bytes
 from remat3d.instrument.state import enter_recompute, exit_recompute, is_recomputing
 from remat3d.runtime.compat import (
@@ -240,8 +240,7 @@ class _Recomputation:
             managers.append(self.checker)
         if self.user is not None:
             managers.append(self.user)
-        region.recompute_autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                                     if torch.is_autocast_enabled(d)]
+        region.recompute_autocast = ambient_autocast()
         region.recomputing = True
         self.stack = _Stack(*managers)
         try:
