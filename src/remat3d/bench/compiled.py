@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from remat3d.errors import Remat3dError
+from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import forward_backward, prepare_step, tracked_forward_backward
 from remat3d.instrument.tracker import MemoryTracker
 
@@ -157,12 +158,8 @@ def measure_cast_step(model: nn.Module, shape: tuple[int, ...], device: str,
                       amp: str | None) -> CompiledStep:
     """The eager step of ``model`` measured the way :func:`compiled_step` measures."""
     if amp is not None:
-        cast_like_autocast(model, _dtype(amp))
+        cast_like_autocast(model, amp_dtype(amp))
     return _measure(model, shape, device, None, compiled=False)
-
-
-def _dtype(amp: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
 
 
 def budget_context(memory_budget: float) -> contextlib.AbstractContextManager:
@@ -182,7 +179,7 @@ def compiled_step(model: nn.Module, shape: tuple[int, ...], device: str, amp: st
 
     torch._dynamo.reset()
     if amp is not None:
-        cast_like_autocast(model, _dtype(amp))
+        cast_like_autocast(model, amp_dtype(amp))
     with budget_context(memory_budget):
         compiled = torch.compile(model, backend="aot_eager")
         step = _measure(compiled, shape, device, None, compiled=True)  # type: ignore[arg-type]
