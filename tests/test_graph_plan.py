@@ -129,3 +129,74 @@ def test_a_step_that_cannot_be_traced_warns_and_gets_a_module_plan():
     assert plan.graph_recompute is None and plan.strategy == "optimal"
     assert plan.verified_peak_bytes <= plan.budget_bytes
     assert any("Planned its modules instead" in note for note in plan.notes)
+
+
+# -- optimal chooses (planning.py NOTE [ Which plan optimal chooses ]) ---------------------
+
+def test_optimal_plans_the_graph_by_itself_and_measures_it_on_meta():
+    torch.manual_seed(0)
+    model = ParentConcat("instance")
+    plan = remat3d.plan(model, SHAPE, budget="0.8x")  # strategy optimal, graph=None
+    assert plan.strategy == "optimal" and plan.graph_recompute and not plan.regions
+    assert plan.verified_peak_bytes <= plan.budget_bytes
+    modules = remat3d.plan(model, SHAPE, budget="0.8x", graph=False)
+    assert modules.graph_recompute is None and modules.regions
+    assert plan.recompute_flops < modules.recompute_flops
+
+    planned = remat3d.apply(copy.deepcopy(model), plan)
+    on_meta = remat3d.measure(planned, SHAPE, device="meta")  # on fake tensors
+    on_cpu = remat3d.measure(planned, torch.randn(SHAPE))
+    assert on_meta.peak_bytes == plan.verified_peak_bytes == on_cpu.peak_bytes
+    # the backward's recomputed ops run as a recomputation (runtime/graph_run.py rule 1)
+    assert on_meta.recompute_flops == on_cpu.recompute_flops == plan.recompute_flops > 0
+    unplanned = remat3d.measure(model, torch.randn(SHAPE))
+    assert on_cpu.flops == unplanned.flops + plan.recompute_flops
+
+
+def test_optimal_with_a_budget_the_unplanned_step_meets_plans_nothing():
+    plan = remat3d.plan(ParentConcat(), SHAPE, budget="1.0x")
+    assert plan.graph_recompute is None and not plan.regions
+
+
+def test_below_every_graph_plan_optimal_plans_the_modules_and_says_how_low_the_graph_went():
+    model = ParentConcat("instance")
+    with pytest.raises(InfeasibleBudgetError) as err:
+        remat3d.plan(model, SHAPE, budget=1, graph=True)
+    graph_smallest = err.value.smallest_feasible_bytes
+    # tiling reaches below the graph's smallest peak: a module plan, noted
+    plan = remat3d.plan(model, SHAPE, budget=graph_smallest - 1)
+    assert plan.graph_recompute is None and plan.tiled
+    assert plan.verified_peak_bytes < graph_smallest
+    assert any("no graph plan fits" in note for note in plan.notes)
+
+
+def test_an_infeasible_error_names_the_lower_of_graph_and_module_smallest_peaks():
+    model = ParentConcat("instance")
+    smallest = {}
+    for graph in (True, False):
+        with pytest.raises(InfeasibleBudgetError) as err:
+            remat3d.plan(model, SHAPE, budget=1, graph=graph, tile=False)
+        smallest[graph] = err.value.smallest_feasible_bytes
+    assert smallest[True] < smallest[False]  # the parent's cat is out of modules' reach
+    with pytest.raises(InfeasibleBudgetError, match="A graph plan reaches") as err:
+        remat3d.plan(model, SHAPE, budget=1, tile=False)
+    assert err.value.smallest_feasible_bytes == smallest[True]
+    assert remat3d.plan(model, SHAPE, budget=smallest[True], tile=False).graph_recompute
+
+
+def test_optimal_on_a_step_that_cannot_be_traced_plans_its_modules_without_a_warning():
+    import warnings
+
+    from remat3d.nn.revunet import RevUNet
+
+    model = RevUNet(3, 1, 2, channels=(4, 8), blocks=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plan = remat3d.plan(model, SHAPE, budget="0.9x")
+    assert plan.graph_recompute is None and plan.strategy == "optimal"
+    assert any("Planned its modules instead" in note for note in plan.notes)
+
+
+def test_a_loss_fn_gets_a_module_plan_from_optimal():
+    plan = remat3d.plan(ParentConcat(), SHAPE, budget="0.8x", loss_fn=lambda out: out.mean())
+    assert plan.graph_recompute is None and plan.regions

@@ -109,7 +109,7 @@ def test_a_plan_applies_to_the_real_model_and_stays_exact():
     torch.manual_seed(0)
     model = zoo.build_model("segresnet")
     x = torch.randn(1, 1, 32, 32, 32)
-    p = remat3d.plan(model, tuple(x.shape), budget="0.8x")
+    p = remat3d.plan(model, tuple(x.shape), budget="0.8x", graph=False)  # module regions
     assert p.regions
     from tests.runtime.exactness import assert_exact
 
@@ -199,9 +199,11 @@ def test_offload_plans_drop_the_prefetch_only_when_it_does_not_fit() -> None:
     model = zoo.build_model("basicunet", device="meta")
     shape = (1, 1, 64, 64, 64)
     with pytest.raises(BudgetError) as info:
-        remat3d.plan(model, shape, budget=1, offload=True, tile=False, amp="bf16")
+        remat3d.plan(model, shape, budget=1, offload=True, tile=False, amp="bf16",
+                     graph=False)
     smallest = info.value.smallest_feasible_bytes  # type: ignore[attr-defined]
-    plan = remat3d.plan(model, shape, budget=smallest, offload=True, tile=False, amp="bf16")
+    plan = remat3d.plan(model, shape, budget=smallest, offload=True, tile=False, amp="bf16",
+                        graph=False)
     assert plan.prefetch is False and any(r.decision == "offload" for r in plan.regions)
     assert "no prefetch" in plan.summary()
     assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
@@ -210,7 +212,7 @@ def test_offload_plans_drop_the_prefetch_only_when_it_does_not_fit() -> None:
     assert remat3d.measure(model, shape, device="meta", amp="bf16").peak_bytes > smallest
     remat3d.remove(model)
     roomy = remat3d.plan(model, shape, budget=int(smallest * 1.3), offload=True, tile=False,
-                         amp="bf16")
+                         amp="bf16", graph=False)
     assert roomy.prefetch is True  # it fits there: the copies stay hidden behind compute
 
 
@@ -234,9 +236,10 @@ def test_verify_is_part_of_the_cache_key():
     from tests.tiling.test_fused import TinyUNet
 
     net = TinyUNet()
-    quick = remat3d.plan(net, SHAPE, budget="0.8x", verify=False)
+    # (module plans: a graph plan is always measured, verify or not)
+    quick = remat3d.plan(net, SHAPE, budget="0.8x", verify=False, graph=False)
     assert quick.verified_peak_bytes is None
-    verified = remat3d.plan(net, SHAPE, budget="0.8x", verify=True)
+    verified = remat3d.plan(net, SHAPE, budget="0.8x", verify=True, graph=False)
     assert verified.verified_peak_bytes is not None
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from remat3d.instrument.step import prepare_step, run_step, time_step
+from remat3d.runtime.graph_run import graph_plan_of, measure_applied_graph_plan
 
 __all__ = ["Measurement", "measure"]
 
@@ -61,6 +62,8 @@ def measure(
     if device is None:
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else "cpu"
+    if str(device) == "meta" and graph_plan_of(model) is not None:
+        return _graph_step(model, inputs, amp, loss_fn)
     setup = prepare_step(model, inputs, device, amp, loss_fn)
     seconds = time_step(setup, repeats) if setup.device != "meta" else None
     tracker = run_step(setup)
@@ -80,3 +83,18 @@ def measure(
         )
     finally:
         tracker.close()
+
+
+def _graph_step(model: nn.Module, inputs: Any, amp: str | None,
+                loss_fn: Callable[[Any], torch.Tensor] | None) -> Measurement:
+    """A model running a graph plan, measured "on meta": on fake tensors (the graphs do not
+    run on meta; ``runtime/graph_run.py`` NOTE rule 6), the numbers ``remat3d.plan``
+    verified."""
+    step = measure_applied_graph_plan(model, tuple(inputs), amp=amp, loss_fn=loss_fn)
+    plan_amp = model.__dict__["forward"].amp
+    return Measurement(
+        device="meta", amp=None if plan_amp is None else str(plan_amp).replace("torch.", ""),
+        peak_bytes=step.peak_bytes, saved_bytes=step.saved_bytes,
+        flops=sum(step.flops.values()), forward_flops=step.flops["forward"],
+        backward_flops=step.flops["backward"], recompute_flops=step.flops["recompute"],
+        seconds=None, breakdown=step.breakdown)

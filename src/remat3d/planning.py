@@ -4,6 +4,21 @@ The search itself is pure (``planner/searching.py``, NOTE [ The budget is a prom
 module profiles the step, builds the stage model, resolves the budget, and hands the
 search a verifier that replays each candidate on a meta copy of the model under the
 tracker, and the list of stages that can run tiled (``runtime/tiling/probe.py``).
+
+NOTE [ Which plan optimal chooses ]
+  1. ``optimal`` and ``auto`` plan the step's graph first (``graph=None``, the default)
+     when the unplanned step does not fit and the call allows a graph plan (no
+     ``loss_fn``): it decides per op, a parent's own ``cat`` included, so where both
+     reach a budget it recomputes a fraction of what a module plan does (``remat3d bench
+     --suite blocks``: at per-block checkpointing's peak). ``offload`` allows host memory;
+     it does not ask for it, so a graph plan that fits without it is taken.
+  2. No graph plan fits (the greedy's smallest peak is above the budget): the module search
+     runs with all it has (offload, rebuild, tiling), and the plan's notes say how low the
+     graph went. Neither fits: the error names the lower of the two smallest peaks.
+  3. A step that cannot be traced as one graph (``CaptureError``) is planned by its modules;
+     the reason is logged and in the plan's notes (``graph=True`` warns with it).
+  4. ``graph=False`` is module plans only (what a hand-written plan, the trainer's planning
+     loss and ``--plot`` need); ``graph=True`` is a graph plan or an error.
 """
 
 from __future__ import annotations
@@ -11,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 import warnings
 import weakref
 from collections import OrderedDict
@@ -48,6 +64,8 @@ __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 _CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _CACHE_SIZE = 64
 _ROUNDS = 8
+_GRAPH_CHOOSERS = ("optimal", "auto")  # NOTE [ Which plan optimal chooses ]
+logger = logging.getLogger(__name__)
 
 
 def clear_plan_cache() -> None:
@@ -108,7 +126,7 @@ def plan(
     verify: bool = True,
     tile: bool = True,
     host_budget: str | int | None = None,
-    graph: bool = False,
+    graph: bool | None = None,
 ) -> Plan:
     """Plan checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -131,12 +149,15 @@ def plan(
             hold more of it on the host are passed over.
         graph: plan the step's aten graph instead of its modules (a *graph plan*: any
             op of forward, a parent's own ``cat`` included, may be recomputed in
-            backward; ``docs/architecture.md``, Graph plans; ``strategy="graph"`` says
-            the same). Recompute only, for now: no ``offload`` or ``loss_fn``;
-            ``strategy`` and ``tile`` do not apply. Under ``amp`` the plan runs the
-            forward under CUDA autocast's rules itself, on every device. A step that
-            cannot be traced as one graph warns, naming why, and is planned by its
-            modules (``strategy="graph"`` then means ``"optimal"``).
+            backward; ``docs/architecture.md``, Graph plans). ``None`` (the default):
+            ``optimal`` and ``auto`` choose one by themselves (NOTE [ Which plan optimal
+            chooses ]); ``True`` (or ``strategy="graph"``): a graph plan or an error;
+            ``False``: module plans only. Graph plans recompute only, for now: they take
+            no ``loss_fn``, and ``offload`` and ``tile`` do not apply to them. Under
+            ``amp`` the plan runs the forward under CUDA autocast's rules itself, on
+            every device. A step that cannot be traced as one graph is planned by its
+            modules (with ``graph=True`` a warning names why, and ``strategy="graph"``
+            then means ``"optimal"``).
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -152,9 +173,10 @@ def plan(
     >>> p.verified_peak_bytes <= p.budget_bytes
     True
     """
-    graph = graph or strategy == "graph"  # the strategy a graph plan records
-    if graph:
+    explicit = graph is True or strategy == "graph"  # a graph plan or an error
+    if explicit:
         _graph_options(offload=offload, loss_fn=loss_fn)
+    chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS and loss_fn is None)
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
@@ -171,30 +193,54 @@ def plan(
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes)
 
-    fallback = None
-    if graph:
+    fallback, graph_smallest = None, None
+    # an unplanned step that fits needs no graph (a module plan of nothing)
+    if chooses and (explicit or prof.peak_bytes > budget_bytes):
         try:
             chosen = _graph_plan(model, examples, header, prof.peak_bytes,
-                                 prof.graph.forward_flops + prof.graph.backward_flops)
+                                 prof.graph.forward_flops + prof.graph.backward_flops,
+                                 strategy="graph" if explicit else strategy)
         except CaptureError as exc:  # one clear message, and the module plan instead
             fallback = f"{exc} Planned its modules instead (a module plan)."
-            warnings.warn(fallback, RuntimeWarning, stacklevel=2)
+            if explicit:
+                warnings.warn(fallback, RuntimeWarning, stacklevel=2)
+            else:
+                logger.info("%s", fallback)
             if strategy == "graph":
                 strategy = "optimal"
             header = dataclasses.replace(header, strategy=strategy)
+        except InfeasibleBudgetError as exc:
+            if explicit:
+                raise
+            graph_smallest = exc.smallest_feasible_bytes
+            fallback = (f"no graph plan fits {format_bytes(budget_bytes)} (the smallest "
+                        f"reaches {format_bytes(graph_smallest)}): a module plan")
         else:
-            _CACHE[key] = chosen
-            return copy.deepcopy(chosen)
+            return _cached(key, chosen)
     stages = build_stages(prof.graph)
     verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages)
-    chosen = search(Problem(
-        stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
-        options=PlannerOptions(offload=offload), header=header,
-        step_flops=prof.graph.forward_flops + prof.graph.backward_flops,
-        unplanned_peak=prof.peak_bytes, verify=verifier if verify else None,
-        tileable=tileable if tile else None))
+    try:
+        chosen = search(Problem(
+            stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
+            options=PlannerOptions(offload=offload), header=header,
+            step_flops=prof.graph.forward_flops + prof.graph.backward_flops,
+            unplanned_peak=prof.peak_bytes, verify=verifier if verify else None,
+            tileable=tileable if tile else None))
+    except InfeasibleBudgetError as exc:
+        if graph_smallest is None or graph_smallest >= exc.smallest_feasible_bytes:
+            raise
+        raise InfeasibleBudgetError(  # a graph plan goes lower than any module plan
+            f"{exc} A graph plan reaches {format_bytes(graph_smallest)} ({graph_smallest} "
+            "bytes): plan with that budget or more.",
+            smallest_feasible_bytes=graph_smallest,
+            unplanned_peak_bytes=exc.unplanned_peak_bytes) from None
     if fallback is not None:
         chosen.notes.append(fallback)
+    return _cached(key, chosen)
+
+
+def _cached(key: tuple, chosen: Plan) -> Plan:
+    """Keep ``chosen`` for ``key``; the caller gets a copy (editing it changes no cache)."""
     _CACHE[key] = chosen
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -212,7 +258,7 @@ def _graph_options(*, offload: bool, loss_fn: Callable[[Any], torch.Tensor] | No
 
 
 def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
-                unplanned_peak: int, step_flops: int) -> Plan:
+                unplanned_peak: int, step_flops: int, strategy: str) -> Plan:
     """A graph plan (``graph=True``): the step captured as one aten graph, the search on
     its exact liveness (``planner/graph_search.py``), the choice measured under the
     tracker on fake tensors; a measured peak above the budget tightens the search's
@@ -231,7 +277,7 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
             smallest = measured
         if measured <= budget:  # the measured peak is the promise, not the model's
             return dataclasses.replace(
-                header, strategy="graph", graph_recompute=choice.recompute,
+                header, strategy=strategy, graph_recompute=choice.recompute,
                 graph_twice=choice.twice, graph_digest=captured.digest,
                 predicted_peak_bytes=choice.liveness.peak_bytes,
                 verified_peak_bytes=measured,

@@ -78,6 +78,23 @@ def test_blocks_baseline_in_torch_equals_remat3d_blocks(tiny):
             assert (a.peak_bytes, a.flops) == (b.peak_bytes, b.flops)
 
 
+def test_blocks_suite_plans_optimal_at_per_block_checkpointings_peak(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--suite", "blocks", "--models", TINY_NET,
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    records = load_results(tmp_path / "results.json")
+    (blocks,) = [r for r in records if r.method == "torch-blocks"]
+    at = {r.method: r for r in records if r.setting == f"peak of torch-blocks {blocks.setting}"}
+    assert set(at) == {"remat3d:optimal", "remat3d:modules"}
+    for r in at.values():
+        assert r.status == "ok" and r.peak_bytes <= r.budget_bytes == blocks.peak_bytes
+        assert r.recompute_flops <= blocks.recompute_flops
+    assert at["remat3d:optimal"].note.startswith("graph plan")  # chosen by optimal itself
+    assert at["remat3d:modules"].note.endswith("regions")
+    report = (tmp_path / "report.md").read_text()
+    assert "## At per-block checkpointing's peak" in report and "| graph |" in report
+
+
 def test_schema_rejects_broken_documents(tiny):
     out, _ = tiny
     data = json.loads((out / "results.json").read_text())

@@ -162,7 +162,7 @@ def test_plans_the_planner_chooses_are_exact(norm: str) -> None:
     float64 on the real model."""
     net = _dynunet(NORM_NAMES[norm], torch.float32)
     shape = (1, 1, 32, 32, 32)
-    plan = remat3d.plan(net, shape, budget="0.5x")
+    plan = remat3d.plan(net, shape, budget="0.5x", graph=False)  # (a graph plan fits too)
     assert plan.tiled, plan.summary()
     net = net.double()
     x = torch.randn(shape, dtype=torch.float64)

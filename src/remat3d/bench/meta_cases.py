@@ -75,20 +75,25 @@ def _measured(run: CaseRun, method: str, setting: str, net: object, **values: ob
 
 def _remat3d(run: CaseRun, strategy: str, setting: str, budget: int, *,
              offload: bool = False, extra_seconds: float = 0.0,
-             budget_recorded: bool = True) -> Record:
-    method = f"remat3d:{strategy}" + ("+offload" if offload else "")
+             budget_recorded: bool = True, graph: bool | None = None) -> Record:
+    """remat3d's ``strategy`` at ``budget``; ``graph=False``: module plans only (the
+    method is then ``remat3d:modules``)."""
+    method = ("remat3d:modules" if graph is False else f"remat3d:{strategy}") \
+        + ("+offload" if offload else "")
     net = run.build("meta")
     try:
-        planned = plan_method(net, run.shape, run.amp, strategy, budget, offload)
+        planned = plan_method(net, run.shape, run.amp, strategy, budget, offload, graph)
     except BudgetError as exc:
         return run.add(method, setting, status="infeasible", budget_bytes=budget,
                        note=str(exc))
     result: Plan = planned.plan
+    what = (f"graph plan: {len(result.graph_recompute)} graph nodes recomputed"
+            if result.graph_recompute is not None else f"{len(result.regions)} regions")
     record = _measured(run, method, setting, apply(run.build("meta"),
                                                      result),
                        budget_bytes=budget if budget_recorded else None,
                        plan_seconds=planned.seconds + extra_seconds,
-                       note=f"{len(result.regions)} regions")
+                       note=what)
     if result.verified_peak_bytes is not None and record.peak_bytes != result.verified_peak_bytes:
         record.note += (f"; plan() verified {result.verified_peak_bytes} bytes, "
                         f"measured again {record.peak_bytes}")
@@ -107,6 +112,13 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
     wrapped = run.build("meta")
     install_block_checkpoints(wrapped, blocks)
     baselines.append(_measured(run, "torch-blocks", f"{len(blocks)} blocks", wrapped))
+    if case.kind == "blocks":  # optimal at per-block checkpointing's peak, and modules only
+        per_block = baselines[0]
+        if per_block.status == "ok" and per_block.peak_bytes is not None:
+            setting = f"peak of {per_block.method} {per_block.setting}"
+            _remat3d(run, "optimal", setting, per_block.peak_bytes)
+            _remat3d(run, "optimal", setting, per_block.peak_bytes, graph=False)
+        return
 
     if case.kind == "sweep":
         for k in suite.segments:

@@ -74,11 +74,11 @@ class Planned:
 
 
 def plan_method(net: nn.Module, shape: tuple[int, ...], amp: str | None, strategy: str,
-                budget: int, offload: bool = False) -> Planned:
+                budget: int, offload: bool = False, graph: bool | None = None) -> Planned:
     """``remat3d.plan`` timed (raises ``BudgetError`` when infeasible)."""
     start = time.perf_counter()
     result = plan(net, shape, budget=budget, strategy=strategy, offload=offload, amp=amp,
-                  tile=False)
+                  tile=False, graph=graph)
     return Planned(result, time.perf_counter() - start)
 
 

@@ -11,7 +11,7 @@ from remat3d.bench.records import Record, machine_info, now, versions_info
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["equal_peak_rows", "render_report", "write_report"]
+__all__ = ["equal_peak_rows", "per_block_rows", "render_report", "write_report"]
 
 
 def _pct(x: float | None) -> str:
@@ -71,6 +71,7 @@ def render_report(records: list[Record], *, suite: str, command: str, seconds: f
     meta = _cases(records, "meta")
     lines = _header(suite, command, seconds)
     lines += _headline(meta)
+    lines += _per_block(meta)
     lines += _equal_peak(meta)
     lines += _cpu_steps(_cases(records, "cpu"))
     lines += _notes(records)
@@ -130,6 +131,54 @@ def _equal_cells(o: Record, ratio: float | None) -> str:
         text = ("— (neither recomputes FLOPs)" if not o.recompute_flops
                 else "— (baseline recomputes no FLOPs)")
     return f"{cells} | {text}"
+
+
+def per_block_rows(meta: dict[Any, list[Record]]) -> list[dict]:
+    """Per case: checkpointing every block, and remat3d ``optimal`` at its peak (by itself:
+    ``optimal``; module plans only: ``modules``, where the bench made one), each with its
+    recompute over per-block checkpointing's."""
+    rows = []
+    for key, recs in meta.items():
+        block = next((r for r in recs if r.method == "torch-blocks" and r.status == "ok"),
+                     None)
+        if block is None:
+            continue
+        setting = f"peak of {block.method} {block.setting}".strip()
+        found = {r.method: r for r in recs if r.setting == setting
+                 and r.method in ("remat3d:optimal", "remat3d:modules")}
+        if "remat3d:optimal" not in found:
+            continue
+        rows.append({"key": key, "blocks": block, **{
+            name: (found.get(f"remat3d:{name}"),
+                   None if f"remat3d:{name}" not in found
+                   else _ratio(found[f"remat3d:{name}"], block))
+            for name in ("optimal", "modules")}})
+    return rows
+
+
+def _per_block(meta: dict[Any, list[Record]]) -> list[str]:
+    rows = per_block_rows(meta)
+    if not rows:
+        return []
+    lines = ["## At per-block checkpointing's peak", "",
+             ("Checkpointing every block (MONAI's and HF's practice) against remat3d "
+              "`optimal` planned with the budget set to the peak that reaches; *ratio* is "
+              "remat3d's recomputed FLOPs over per-block checkpointing's. *plan* says what "
+              "optimal chose (a graph plan or module regions); *modules only* is "
+              "`graph=False`."), "",
+             ("| model | blocks peak | blocks recompute | optimal peak | optimal recompute "
+              "| ratio | plan | modules only: peak | recompute | ratio |"),
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for row in rows:
+        b = row["blocks"]
+        ours, ratio = row["optimal"]
+        kind = "graph" if ours.note.startswith("graph plan") else "modules"
+        module, module_ratio = row["modules"]
+        modules = "— | — | —" if module is None else _equal_cells(module, module_ratio)
+        lines.append(f"| {_title(row['key'])} | {_bytes(b.peak_bytes)} | "
+                     f"{_pct(b.recompute_ratio)} | {_equal_cells(ours, ratio)} | "
+                     f"{kind if ours.status == 'ok' else '—'} | {modules} |")
+    return lines + [""]
 
 
 def _equal_peak(meta: dict[Any, list[Record]]) -> list[str]:

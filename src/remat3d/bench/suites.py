@@ -10,7 +10,10 @@ A suite has three kinds of cases:
   offload;
 - *cpu* (real CPU steps at small sizes): each method's step time against the unplanned
   step (interleaved repeats, median) and its gradients against the unplanned ones
-  (bitwise, fp32).
+  (bitwise, fp32);
+- *blocks* (meta device): checkpointing every block (the MONAI/HF practice), and remat3d
+  ``optimal`` at the peak that reaches, by itself and restricted to module plans: how much
+  of per-block checkpointing's recomputation the planner saves for the same memory.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Case:
     model: str
     size: int  # spatial edge, made legal for the model (zoo.legal_shape)
     amp: str  # "none" | "bf16" | "fp16"
-    kind: str  # "sweep" | "point" | "cpu"
+    kind: str  # "sweep" | "point" | "cpu" | "blocks"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Suite:
     model_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model
     # cases besides the grids above (the networks too large to sweep)
     extra_cases: tuple[Case, ...] = ()
+    blocks_models: tuple[str, ...] = ()  # the blocks kind, fp32 at each of blocks_sizes
+    blocks_sizes: tuple[int, ...] = ()
 
     def cases(self) -> list[Case]:
         out = [Case(m, s, a, "sweep") for m in self.sweep_models for s in self.sweep_sizes
@@ -61,6 +66,8 @@ class Suite:
         out += [Case(m, s, a, "point") for m in self.point_models for s in self.point_sizes
                 for a in self.point_amps]
         out += [Case(m, s, "none", "cpu") for m in self.cpu_models for s in self.cpu_sizes]
+        out += [Case(m, s, "none", "blocks") for m in self.blocks_models
+                for s in self.blocks_sizes]
         return out + list(self.extra_cases)
 
     def override(self, *, models: list[str] | None = None, sizes: list[int] | None = None,
@@ -70,6 +77,8 @@ class Suite:
         if models:
             changes.update(sweep_models=tuple(models), point_models=tuple(models),
                            cpu_models=tuple(models), extra_cases=())
+            if self.blocks_models:
+                changes["blocks_models"] = tuple(models)
         if sizes:
             if any(s <= 0 for s in sizes):
                 raise Remat3dError(f"Sizes must be positive spatial edges, got {sizes}.")
@@ -126,7 +135,27 @@ TINY = Suite(
                                 "norm": ("GROUP", {"num_groups": 2})}},
 )
 
-SUITES = {s.name: s for s in (QUICK, FULL, TINY)}
+_ATTENTION_UNET = "monai.networks.nets:AttentionUnet"
+_VNET = "monai.networks.nets:VNet"
+
+# at per-block checkpointing's peak, on every zoo preset and two MONAI networks outside it
+# (issue 18's acceptance 3); minutes on two cores
+BLOCKS = Suite(
+    name="blocks",
+    sweep_models=(), sweep_sizes=(), sweep_amps=(),
+    point_models=(), point_sizes=(), point_amps=(),
+    cpu_models=(), cpu_sizes=(),
+    budgets=(), compile_budgets=(), cpu_compile_budgets=(), segments=(), strategies=(),
+    repeats=1,
+    blocks_models=("nnunet", "unet", "basicunet", "segresnet", "swinunetr", "unetr",
+                   "resnet3d", "revunet", "nnunetv2", "resenc-l", _ATTENTION_UNET, _VNET),
+    blocks_sizes=(128,),
+    model_kwargs={_ATTENTION_UNET: {"spatial_dims": 3, "in_channels": 1, "out_channels": 2,
+                                    "channels": [16, 32, 64, 128], "strides": [2, 2, 2]},
+                  _VNET: {"spatial_dims": 3, "in_channels": 1, "out_channels": 2}},
+)
+
+SUITES = {s.name: s for s in (QUICK, FULL, TINY, BLOCKS)}
 
 
 def get_suite(name: str) -> Suite:

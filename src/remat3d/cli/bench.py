@@ -35,7 +35,8 @@ def bench_command(
     ctx: typer.Context,
     suite: str = typer.Option("quick", "--suite",
                               help="quick (under 10 min on 2 cores), full (under 60 min), "
-                                   "or tiny (seconds)."),
+                                   "blocks (optimal at per-block checkpointing's peak on "
+                                   "every preset) or tiny (seconds)."),
     models: str = typer.Option(None, "--models",
                                help="Comma-separated presets replacing the suite's models."),
     sizes: str = typer.Option(None, "--sizes",

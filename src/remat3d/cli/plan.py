@@ -35,9 +35,10 @@ def plan_command(
                               help="Let optimal tile full-resolution stages when no "
                                    "recompute plan fits (exact; costs extra passes)."),
     amp: str = typer.Option("none", "--amp", help="none, bf16 or fp16 (autocast)."),
-    graph: bool = typer.Option(False, "--graph", help=(
-        "Plan the step's aten graph, not its modules: any op may be recomputed, a "
-        "parent's own cat or add included (recompute only; no --offload).")),
+    graph: bool = typer.Option(None, "--graph/--no-graph", show_default=False, help=(
+        "--graph: plan the step's aten graph, not its modules (any op may be recomputed, "
+        "a parent's own cat or add included; recompute only, no --offload). --no-graph: "
+        "module plans only. Default: optimal plans the graph where a graph plan fits.")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
@@ -52,6 +53,8 @@ def plan_command(
     if graph and plot:
         raise Remat3dError("--plot draws the overhead curve of module plans; it does not "
                            "take --graph yet. Leave out one of them.")
+    if plot:
+        graph = False  # the curve and timelines are of module plans
     net, shape = build(model, input, model_kwargs)
     amp_ = parse_amp(amp)
     # stdout is the JSON alone with --json; otherwise a spinner writes there
@@ -130,7 +133,8 @@ def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | 
         for k in range(6):
             budget = int(low + (base.peak_bytes - low) * k / 5)
             try:
-                p = make_plan(net, shape, budget=budget, offload=offload, amp=amp, tile=tile)
+                p = make_plan(net, shape, budget=budget, offload=offload, amp=amp, tile=tile,
+                              graph=False)
             except Remat3dError:
                 continue
             curve.append((p.verified_peak_bytes or 0, _overhead(p, base)))

@@ -12,6 +12,8 @@ NOTE [ Running a graph plan ]
      that ``planner/liveness.py`` does not model. A BatchNorm in training recomputed in
      backward runs without its running statistics (``recompute_without_running_stats``):
      its output reads none, and they were updated in place after the forward.
+     The backward's recomputed ops run inside ``is_recomputing()`` (``mark_recomputation``),
+     as a region's do: the tracker books their FLOPs as recomputation.
   2. The graphs run op by op, the same aten kernels as eager, so gradients and buffers are
      those of ordinary training (on CPU in fp32 with deterministic algorithms, bitwise).
   3. The model object, its parameters, buffers and ``state_dict`` stay as they are: only
@@ -49,8 +51,9 @@ from remat3d.errors import PlanError
 from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
 
-__all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "measure_graph_plan",
-           "remove_graph_plan", "tagged_partition"]
+__all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "mark_recomputation",
+           "measure_applied_graph_plan", "measure_graph_plan", "remove_graph_plan",
+           "tagged_partition"]
 
 _ATTR = "_remat3d_graph_plan"
 
@@ -87,8 +90,8 @@ def tagged_partition(recompute: Iterable[str], digest: str | None = None,
                                               num_fwd_outputs=num_fwd_outputs, **kwargs)
         if recompute_without_running_stats(backward):
             _drop_unread_saved(forward, backward, num_fwd_outputs)
-        if again:
-            recompute_twice(backward, again)
+        copies = recompute_twice(backward, again) if again else []
+        mark_recomputation(backward, names, copies)
         return forward, backward
 
     return partition
@@ -147,15 +150,17 @@ def _drop_unread_saved(forward: fx.GraphModule, backward: fx.GraphModule,
         module.recompile()
 
 
-def recompute_twice(backward: fx.GraphModule, twice: set[str]) -> None:
+def recompute_twice(backward: fx.GraphModule, twice: set[str]) -> list[fx.Node]:
     """Give the late readers of each recomputed node of ``twice`` a second recomputation
-    of it, as ``planner/liveness.py``'s :func:`late_copies` places it (NOTE rule 1)."""
+    of it, as ``planner/liveness.py``'s :func:`late_copies` places it (NOTE rule 1).
+    Returns the copies made."""
     graph = backward.graph
     ops = [n for n in graph.nodes if n.op == "call_function"]
     steps = late_copies([(n.name, [a.name for a in n.all_input_nodes]) for n in ops],
                         {n.name for n in ops} & twice)
     env: dict[str, fx.Node] = {n.name: n for n in graph.nodes}
     pending: list[tuple[str, str, list[str]]] = []
+    copies: list[fx.Node] = []
     for name, source, inputs in steps:
         if name != source:
             pending.append((name, source, inputs))
@@ -166,12 +171,40 @@ def recompute_twice(backward: fx.GraphModule, twice: set[str]) -> None:
             with graph.inserting_before(node):
                 env[copy] = graph.node_copy(env[original],
                                             lambda a, r=renamed: env[r.get(a.name, a.name)])
+                copies.append(env[copy])
         pending.clear()
         for old, new in zip([a.name for a in node.all_input_nodes], inputs):
             if old != new:
                 node.replace_input_with(env[old], env[new])
     graph.lint()
     backward.recompile()
+    return copies
+
+
+def mark_recomputation(backward: fx.GraphModule, recompute: set[str],
+                       copies: Iterable[fx.Node] = ()) -> None:
+    """Run the backward's recomputed ops (those named ``recompute``, and ``copies``) inside
+    :func:`remat3d.is_recomputing`, as a region's recomputation runs (NOTE rule 1): the
+    tracker books their FLOPs as recomputation, and code that asks sees the truth."""
+    marked = [n for n in backward.graph.nodes if n.name in recompute] + list(copies)
+    for node in marked:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            node.target = _recomputed(node.target)
+    backward.recompile()
+
+
+def _recomputed(op: Any) -> Any:
+    """``op`` run as a recomputation (exception-safe: the depth is restored however it
+    ends)."""
+    from remat3d.instrument.state import recomputing
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with recomputing():
+            return op(*args, **kwargs)
+
+    run.__name__ = f"recomputed_{op.__name__.replace('.', '_')}"
+    run.__qualname__ = run.__name__
+    return run
 
 
 def _signature(args: tuple, model: nn.Module) -> tuple:
@@ -185,6 +218,7 @@ class _GraphPlan:
                  input_shapes: list[list[int]] | None, amp: str | None,
                  digest: str | None, twice: Iterable[str]) -> None:
         self.recompute = sorted(set(recompute))
+        self.twice = sorted(set(twice))
         self.amp = amp_dtype(amp)
         self.step = aot_step(model, tagged_partition(self.recompute, digest, twice),
                              self.amp)
@@ -273,23 +307,30 @@ class GraphStep:
 
     peak_bytes: int
     saved_bytes: int  # what the forward left alive for the backward (the output not)
+    flops: dict[str, int]  # per phase: forward, backward, recompute
+    breakdown: dict[str, int]  # the peak's bytes by kind (tracker.peak_breakdown)
 
 
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
                        device: str | None = None, amp: str | None = None,
-                       twice: Iterable[str] = ()) -> GraphStep:
+                       twice: Iterable[str] = (), loss_fn: Any = None) -> GraphStep:
     """One step of ``model`` running the graph plan (``recompute``, ``twice``) under
-    ``amp``, measured by the tracker on fake tensors (NOTE rule 6); the loss is
-    remat3d's default."""
+    ``amp``, measured by the tracker on fake tensors (NOTE rule 6); ``loss_fn`` (default:
+    remat3d's) gets the fake output."""
     from remat3d.instrument.step import default_loss
     from remat3d.instrument.tracker import MemoryTracker
 
+    loss = loss_fn or default_loss
     fake_model, fake_inputs = fake_step(model, inputs, device)
     apply_graph_plan(fake_model, recompute, amp=amp, twice=twice)
     # traced here, untracked; the graphs enter the fake mode themselves (not entered
     # here: AOTAutograd deep-copies the backward graph on its first run, and a lifted
     # constant, a torch.tensor(2.0) in forward, is a real tensor it cannot copy under it)
-    default_loss(fake_model(*fake_inputs)).backward()
+    output = fake_model(*fake_inputs)
+    with fake_inputs[0].fake_mode:  # what the loss makes from nothing is fake too
+        value = loss(output)
+    value.backward()
+    del output, value
     for p in fake_model.parameters():
         p.grad = None
     tracker = MemoryTracker(fake_inputs[0].device)
@@ -301,8 +342,33 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
             output = fake_model(*fake_inputs)
             tracker.mark_forward_end(output)
             tracker.phase = "backward"
-            default_loss(output).backward()
+            loss(output).backward()
             del output
     finally:
         tracker.close()
-    return GraphStep(tracker.peak_bytes, tracker.saved_bytes)
+    return GraphStep(tracker.peak_bytes, tracker.saved_bytes, dict(tracker.flops),
+                     tracker.peak_breakdown())
+
+
+def measure_applied_graph_plan(model: nn.Module, inputs: tuple, amp: str | None = None,
+                               loss_fn: Any = None) -> GraphStep:
+    """One step of ``model`` with the graph plan applied to it, measured on fake tensors
+    (what ``remat3d.measure(..., device="meta")`` does for it: the graphs do not run on
+    meta). ``amp`` must be the plan's own, or None."""
+    plan = model.__dict__.get(_ATTR)
+    if plan is None:
+        raise PlanError(f"{type(model).__name__} runs no graph plan.")
+    if amp is not None and amp_dtype(amp) != plan.amp:
+        raise PlanError(
+            f"This graph plan was made for amp="
+            f"{None if plan.amp is None else amp_name(plan.amp)!r} and runs it itself; "
+            f"measured with amp={amp!r}. Measure it with the plan's amp, or plan again.")
+    forward = model.__dict__.pop("forward")
+    del model.__dict__[_ATTR]
+    try:  # the model's own forward traced, the plan's choices applied to a fake copy
+        return measure_graph_plan(model, inputs, plan.recompute, twice=plan.twice,
+                                  amp=None if plan.amp is None else amp_name(plan.amp),
+                                  loss_fn=loss_fn)
+    finally:
+        model.__dict__["forward"] = forward
+        model.__dict__[_ATTR] = plan
