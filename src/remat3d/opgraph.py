@@ -53,7 +53,12 @@ class OpGraph:
     schema: str = OPGRAPH_SCHEMA
 
     def __post_init__(self) -> None:
+        # indexes for the planner's inner loops (a graph is not changed once made)
         self._by_name = {n.name: n for n in self.nodes}
+        self._storage = {n.name: n.base if n.base is not None else n.name for n in self.nodes}
+        self._position = {n.name: i for i, n in enumerate(self.nodes)}
+        self._forward = [n for n in self.nodes if n.phase == "forward"]
+        self._backward = [n for n in self.nodes if n.phase == "backward"]
         self._picks: dict[str, list[OpNode]] = {}
         for n in self.nodes:
             if n.op == "getitem" and n.inputs:
@@ -71,21 +76,26 @@ class OpGraph:
 
     def storage(self, name: str) -> str:
         """The node whose storage ``name`` uses (itself unless it is a view)."""
-        node = self._by_name[name]
-        return node.base if node.base is not None else name
+        return self._storage[name]
+
+    def position(self, name: str) -> int:
+        """``name``'s index in ``nodes``."""
+        return self._position[name]
 
     @property
     def forward(self) -> list[OpNode]:
-        return [n for n in self.nodes if n.phase == "forward"]
+        """The forward ops, in order (the graph's own list: do not change it)."""
+        return self._forward
 
     @property
     def backward(self) -> list[OpNode]:
-        return [n for n in self.nodes if n.phase == "backward"]
+        """The backward ops, in order (the graph's own list: do not change it)."""
+        return self._backward
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data.pop("_by_name", None)
-        data.pop("_picks", None)
+        for index in ("_by_name", "_storage", "_position", "_forward", "_backward", "_picks"):
+            data.pop(index, None)
         return data
 
     def to_json(self) -> str:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from remat3d.capture.joint import capture
+from remat3d.capture.mincut import partitioner_choices
 from remat3d.errors import (
     BudgetError,
     CaptureError,
@@ -270,7 +271,8 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
     assert budget is not None
     target, smallest = budget, None
     for _ in range(_ROUNDS):
-        choice = search_graph(graph, target)
+        # torch's min-cut's choices compete where the greedy fits (made when asked for)
+        choice = search_graph(graph, target, seeds=partitioner_choices(captured))
         measured = measure_graph_plan(model, tuple(examples), choice.recompute,
                                       amp=header.amp, twice=choice.twice).peak_bytes
         if smallest is None or measured < smallest:

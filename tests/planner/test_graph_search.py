@@ -74,3 +74,72 @@ def test_a_later_search_walks_the_path_and_chooses_what_a_fresh_one_does(capture
         assert (a.recompute, a.twice, a.fits, a.liveness.peak_bytes) == \
             (b.recompute, b.twice, b.fits, b.liveness.peak_bytes)
     assert walked[0].fits and walked[0].liveness.peak_bytes == floor
+
+
+def test_a_seed_that_fits_cheaper_is_chosen_and_one_that_does_not_fit_never(captured):
+    # NOTE rule 5: seeds are candidates simulated like any other, never trusted
+    _, _, graph = captured
+    unplanned = simulate(graph).peak_bytes
+    budget = int(0.8 * unplanned)
+    greedy = search_graph(graph, budget)
+    everything = [n.name for n in graph.forward]
+    too_little = [n.name for n in graph.forward if not n.flops][:1]
+    # recomputing everything fits but costs more than the greedy's choice: not taken
+    assert search_graph(graph, budget, seeds=[everything]).recompute == greedy.recompute
+    # a seed that does not fit is passed over for the others
+    asked = []
+
+    def seeds():
+        for seed in (too_little, greedy.recompute[:-1] + ["x"], everything):
+            asked.append(seed)
+            yield seed
+
+    seeded = search_graph(graph, budget, seeds=seeds())
+    assert seeded.fits and seeded.cost <= greedy.cost
+    assert seeded.liveness.peak_bytes <= budget
+    # where the greedy does not fit, no seed is asked for
+    asked.clear()
+    assert not search_graph(graph, 1, seeds=seeds()).fits and not asked
+
+
+def test_torchs_min_cut_choices_are_plain_node_names_of_the_graph():
+    from remat3d.capture.mincut import partitioner_choices
+
+    torch.manual_seed(0)
+    captured = capture(ParentConcat("instance"), (1, 1, 32, 32, 32))
+    seeds = list(partitioner_choices(captured, (1.0, 0.5, 0.0)))
+    names = {n.name for n in captured.graph.forward}
+    assert seeds and all(set(seed) <= names for seed in seeds)
+    # 1.0: torch saves all it would (at most a view-like op recomputed, no FLOPs); 0.0: it
+    # recomputes what it can, convolutions included
+    assert not any(captured.graph[n].flops for n in seeds[0])
+    assert any(captured.graph[n].flops for n in seeds[-1])
+    assert list(partitioner_choices(captured, (1.0, 0.5, 0.0))) == seeds  # kept
+
+
+_SEARCH_IN_A_FRESH_PROCESS = """
+import json, sys
+from remat3d.opgraph import OpGraph
+from remat3d.planner.graph_search import search_graph
+from remat3d.planner.liveness import simulate
+graph = OpGraph.from_dict(json.load(open(sys.argv[1])))
+unplanned = simulate(graph).peak_bytes
+choices = [search_graph(graph, int(f * unplanned)) for f in (0.8, 0.6, 0.01)]
+print(json.dumps([(c.recompute, c.twice, c.liveness.peak_bytes) for c in choices]))
+"""
+
+
+def test_the_search_chooses_the_same_in_every_process(captured, tmp_path):
+    # the planner is deterministic: no choice may depend on the order a set of names
+    # iterates in, which changes with each interpreter's hash seed
+    import os
+    import subprocess
+    import sys
+
+    _, _, graph = captured
+    path = tmp_path / "graph.json"
+    path.write_text(graph.to_json())
+    runs = [subprocess.run([sys.executable, "-c", _SEARCH_IN_A_FRESH_PROCESS, str(path)],
+                           env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+                           text=True, check=True).stdout for seed in ("1", "2", "3")]
+    assert runs[0] == runs[1] == runs[2]

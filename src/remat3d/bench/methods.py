@@ -51,10 +51,11 @@ def case_shape(model: str, size: int, kwargs: dict | None = None) -> tuple[int, 
     return zoo.legal_shape(preset, (1, preset.in_channels, size, size, size))
 
 
-def check_model(model: str) -> None:
-    """Raise ``ModelSpecError`` now for a model the bench could not build."""
+def check_model(model: str, kwargs: dict | None = None) -> None:
+    """Raise ``ModelSpecError`` now for a model the bench could not build (with the suite's
+    ``kwargs`` for it)."""
     if is_spec(model):
-        zoo.build_model(model, device="meta")
+        zoo.build_model(model, kwargs or {}, device="meta")
     else:
         zoo.get_preset(model)
 

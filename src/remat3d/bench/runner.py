@@ -46,7 +46,7 @@ def run_suite(suite: Suite, out: str | os.PathLike[str], *, command: str = "",
     from remat3d.bench.report import write_report
 
     for name in {c.model for c in suite.cases()}:
-        check_model(name)  # unknown names fail before any work
+        check_model(name, suite.model_kwargs.get(name))  # unknown names fail before work
     start = time.perf_counter()
     out_dir = Path(out)
     stamp = _stamp()

@@ -86,6 +86,8 @@ class Captured:
     graph: OpGraph
     joint: fx.GraphModule
     digest: str  # graph_digest(joint)
+    joint_inputs: Any = None  # the joint graph's example inputs (fake), as partitioners get
+    num_fwd_outputs: int = 0
 
 
 def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -375,7 +377,7 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None,
 
     def record(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
                **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        seen["joint"], seen["outputs"] = joint, num_fwd_outputs
+        seen["joint"], seen["outputs"], seen["inputs"] = joint, num_fwd_outputs, joint_inputs
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                  **kwargs)
 
@@ -393,7 +395,8 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None,
                enumerate(zip(buffers, versions)) if b._version != v}
     graph = op_graph(seen["joint"], seen["outputs"], type(model).__name__,
                      [list(x.shape) for x in fake_inputs], mutated)
-    return Captured(graph, seen["joint"], graph_digest(seen["joint"]))
+    return Captured(graph, seen["joint"], graph_digest(seen["joint"]), seen["inputs"],
+                    seen["outputs"])
 
 
 # --------------------------------------------------------------------------- to plain data

@@ -105,27 +105,22 @@ class _Memory:
             self.peak_live = list(self.live)
 
 
-def _uses(order: list[OpNode], storage: Callable[[str], str]) -> dict[str, int]:
-    """The index in ``order`` of each storage's last use."""
-    last: dict[str, int] = {}
-    for i, node in enumerate(order):
-        last[storage(node.name)] = i
-        for name in node.inputs:
-            last[storage(name)] = i
-    return last
-
-
 def _run(order: list[OpNode], memory: _Memory, keep: set[str],
          storage: Callable[[str], str], picks: Callable[[str], list[OpNode]]) -> None:
-    last = _uses(order, storage)
+    # each op's storages (its own, then its inputs'), and where each is used last
+    touched = [[storage(node.name), *map(storage, node.inputs)] for node in order]
+    last: dict[str, int] = {}
+    for i, names in enumerate(touched):
+        for name in names:
+            last[name] = i
     for i, node in enumerate(order):
         if node.op != "getitem":  # a multi-output op makes what its getitems pick
             for made in (node, *picks(node.name)):
                 memory.make(made)
             memory.sample(node.transient_bytes)
             memory.timeline.append((node.name, memory.total + node.transient_bytes))
-        for used in {storage(n) for n in node.inputs} | {storage(node.name)}:
-            if last.get(used) == i and used not in keep:
+        for used in touched[i]:  # freed once: a second free of a storage is a no-op
+            if last[used] == i and used not in keep:
                 memory.free(used)
 
 
@@ -262,7 +257,7 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
     # backward, the recomputed ops pulled in just before the first op that needs them
     order: list[OpNode] = []
     done = resident | set(memory.live) | saved
-    position = {n.name: i for i, n in enumerate(graph.nodes)}
+    position = graph.position
 
     def pull(name: str) -> list[OpNode]:
         stack, found = [name], []
@@ -277,7 +272,7 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
             # torch places an op's recomputed picks that backward reads right after it
             stack.extend(p.name for p in graph.picks(current)
                          if p.name in again and p.name in visited)
-        return sorted(found, key=lambda n: position[n.name])
+        return sorted(found, key=lambda n: position(n.name))
 
     recompute_flops, recomputed = 0, []
     tangents = [n for n in graph.nodes if n.phase == "tangent"]
