@@ -125,6 +125,7 @@ def test_plan_command_plans_the_graph(tmp_path):
     assert result.exit_code == 2 and "Graph plans do not take offload" in result.output
 
 
+@pytest.mark.slow  # 30-45 s: the planner's own tiling test covers it by default
 def test_plan_command_tiles_below_the_recomputation_floor():
     import remat3d
     from remat3d import zoo

@@ -14,7 +14,7 @@ from remat3d import zoo
 from remat3d.bench.tracker_report import validate_preset
 from remat3d.instrument.step import meta_copy
 
-SLOW = {"swinunetr"}  # about a minute of CPU; run with -m slow
+SLOW = {"swinunetr", "resenc-l"}  # a minute, 40 s of CPU; run with -m slow (nnunetv2: by default)
 
 
 @pytest.mark.parametrize("name", [
