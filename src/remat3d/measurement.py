@@ -70,7 +70,7 @@ def measure(
     try:
         return Measurement(
             device=setup.device,
-            amp=None if setup.amp is None else str(setup.amp).replace("torch.", ""),
+            amp=_amp_text(setup.amp),
             peak_bytes=tracker.peak_bytes,
             saved_bytes=tracker.saved_bytes,
             flops=sum(tracker.flops.values()),
@@ -91,10 +91,13 @@ def _graph_step(model: nn.Module, inputs: Any, amp: str | None,
     run on meta; ``runtime/graph_run.py`` NOTE rule 6), the numbers ``remat3d.plan``
     verified."""
     step = measure_applied_graph_plan(model, tuple(inputs), amp=amp, loss_fn=loss_fn)
-    plan_amp = model.__dict__["forward"].amp
     return Measurement(
-        device="meta", amp=None if plan_amp is None else str(plan_amp).replace("torch.", ""),
+        device="meta", amp=_amp_text(step.amp),
         peak_bytes=step.peak_bytes, saved_bytes=step.saved_bytes,
         flops=sum(step.flops.values()), forward_flops=step.flops["forward"],
         backward_flops=step.flops["backward"], recompute_flops=step.flops["recompute"],
         seconds=None, breakdown=step.breakdown)
+
+
+def _amp_text(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")

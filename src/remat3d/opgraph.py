@@ -19,6 +19,7 @@ Conventions
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ class OpGraph:
         self._position = {n.name: i for i, n in enumerate(self.nodes)}
         self._forward = [n for n in self.nodes if n.phase == "forward"]
         self._backward = [n for n in self.nodes if n.phase == "backward"]
+        self._digest: str | None = None
         self._picks: dict[str, list[OpNode]] = {}
         for n in self.nodes:
             if n.op == "getitem" and n.inputs:
@@ -94,12 +96,20 @@ class OpGraph:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for index in ("_by_name", "_storage", "_position", "_forward", "_backward", "_picks"):
+        for index in ("_by_name", "_storage", "_position", "_forward", "_backward", "_picks",
+                      "_digest"):
             data.pop(index, None)
         return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+    def digest(self) -> str:
+        """A hash of the graph's content, made once (what the planner keeps per graph is
+        keyed by it)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.to_json().encode()).hexdigest()
+        return self._digest
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OpGraph:

@@ -26,7 +26,6 @@ from remat3d.planning import plan
 from remat3d.planspec import Plan
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
-from remat3d.runtime.graph_run import measure_graph_plan
 from remat3d.units import format_bytes
 
 __all__ = ["CaseRun", "run_meta_case"]
@@ -163,8 +162,7 @@ def run_meta_case(run: CaseRun, suite: Suite) -> None:
 
 def _graph(run: CaseRun, setting: str, budget: int | None = None) -> None:
     """A graph plan (``remat3d.plan(..., graph=True)``) at ``budget`` (None: the smallest
-    peak its search reaches), measured once more as ``plan()`` measures it: the tracker
-    on fake tensors (``runtime/graph_run.py``; a graph plan does not run on meta)."""
+    peak its search reaches), measured once more like every other method."""
     method = "remat3d:graph"
     start = time.perf_counter()
     try:
@@ -181,14 +179,11 @@ def _graph(run: CaseRun, setting: str, budget: int | None = None) -> None:
     except Remat3dError as exc:
         run.add(method, setting, status="error", note=str(exc)[:300])
         return
-    step = measure_graph_plan(run.build("meta"), (run.shape,), result.graph_recompute or [],
-                              amp=run.amp, twice=result.graph_twice)
-    run.add(method, setting, peak_bytes=step.peak_bytes, saved_bytes=step.saved_bytes,
-            budget_bytes=budget, recompute_flops=result.recompute_flops,
-            flops=(result.step_flops or 0) + (result.recompute_flops or 0),
-            plan_seconds=time.perf_counter() - start,
-            note=f"{len(result.graph_recompute or [])} graph nodes recomputed; peak measured "
-                 "by the tracker on fake tensors")
+    # measured as every method is (remat3d.measure on meta: on fake tensors for a graph plan)
+    _measured(run, method, setting, apply(run.build("meta"), result), budget_bytes=budget,
+              plan_seconds=time.perf_counter() - start,
+              note=f"{len(result.graph_recompute or [])} graph nodes recomputed; peak "
+                   "measured by the tracker on fake tensors")
 
 
 _CPU_FALLBACK_BYTES = 2 << 30  # a compiled step this small may run for real on the CPU

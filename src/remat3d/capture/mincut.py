@@ -23,7 +23,6 @@ NOTE [ The partitioner's choices as seeds ]
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import warnings
 from collections import OrderedDict
@@ -47,7 +46,7 @@ def partitioner_choices(captured: Captured, fractions: tuple[float, ...] = FRACT
     asked for, the forward nodes of ``captured``'s joint graph that torch's min-cut
     partitioner recomputes in backward (NOTE rules 2-4); a choice equal to an earlier
     one is not given again."""
-    graph_key = hashlib.sha256(captured.graph.to_json().encode()).hexdigest()
+    graph_key = captured.graph.digest()
     given: set[tuple[str, ...]] = set()
     for fraction in fractions:
         key = (graph_key, fraction)

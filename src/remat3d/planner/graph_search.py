@@ -38,7 +38,6 @@ NOTE [ Greedy on exact liveness ]
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -134,7 +133,7 @@ _PATHS_KEPT = 4
 
 
 def _path(graph: OpGraph, costs: Costs) -> _Path:
-    key = (hashlib.sha256(graph.to_json().encode()).hexdigest(), repr(costs))
+    key = (graph.digest(), repr(costs))
     if key in _PATHS:
         _PATHS.move_to_end(key)
         return _PATHS[key]

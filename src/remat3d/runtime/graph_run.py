@@ -309,6 +309,7 @@ class GraphStep:
     saved_bytes: int  # what the forward left alive for the backward (the output not)
     flops: dict[str, int]  # per phase: forward, backward, recompute
     breakdown: dict[str, int]  # the peak's bytes by kind (tracker.peak_breakdown)
+    amp: torch.dtype | None = None  # the precision the plan's forward ran in
 
 
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
@@ -347,7 +348,7 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
     finally:
         tracker.close()
     return GraphStep(tracker.peak_bytes, tracker.saved_bytes, dict(tracker.flops),
-                     tracker.peak_breakdown())
+                     tracker.peak_breakdown(), amp_dtype(amp))
 
 
 def measure_applied_graph_plan(model: nn.Module, inputs: tuple, amp: str | None = None,
