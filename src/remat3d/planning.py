@@ -58,6 +58,7 @@ from remat3d.runtime.apply import apply
 from remat3d.runtime.fingerprint import model_fingerprint, model_signature
 from remat3d.runtime.graph_run import measure_graph_plan
 from remat3d.runtime.region import InPlaceInputError, op_by_op_checks
+from remat3d.runtime.spans import spanned_copy, spans_for
 from remat3d.units import format_bytes, format_shape, parse_bytes
 
 __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
@@ -218,26 +219,62 @@ def plan(
                         f"reaches {format_bytes(graph_smallest)}): a module plan")
         else:
             return _cached(key, chosen)
-    stages = build_stages(prof.graph)
-    verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages)
-    try:
-        chosen = search(Problem(
-            stages=stages, graph=prof.graph, budget=budget_bytes, strategy=strategy,
-            options=PlannerOptions(offload=offload), header=header,
-            step_flops=prof.graph.forward_flops + prof.graph.backward_flops,
-            unplanned_peak=prof.peak_bytes, verify=verifier if verify else None,
-            tileable=tileable if tile else None))
-    except InfeasibleBudgetError as exc:
-        if graph_smallest is None or graph_smallest >= exc.smallest_feasible_bytes:
-            raise
+    # the parents' own ops between their children as regions (runtime/spans.py) and the
+    # modules as they are, both: a span is coarser than its children (a budget their
+    # separate regions reach may be out of its reach), so the cheaper plan of keep /
+    # recompute / offload decisions is taken, and only where neither fits, tiling (the
+    # spans first: they let a tiled run span the parent's own ops). Other strategies
+    # plan the spans where there are any (``blocks``: a span is a block, as MONAI writes it).
+    attempts = [(prof, header, model)]
+    spans = spans_for(model, prof.graph)
+    if spans:
+        spanned = spanned_copy(model, spans)
+        attempts.insert(0, (profile(spanned, *examples, device="meta", amp=amp,
+                                    loss_fn=loss_fn),
+                            dataclasses.replace(header, spans=spans), spanned))
+        if strategy not in _GRAPH_CHOOSERS:
+            attempts = attempts[:1]
+    failures: list[InfeasibleBudgetError] = []
+    phases = (False, True) if tile and strategy in _GRAPH_CHOOSERS else (tile,)
+    for tiled in phases:
+        fitting = []
+        for measured, header_, probed in attempts:
+            stages = build_stages(measured.graph)
+            verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages, probed)
+            try:
+                fitting.append(search(Problem(
+                    stages=stages, graph=measured.graph, budget=budget_bytes,
+                    strategy=strategy, options=PlannerOptions(offload=offload),
+                    header=header_,
+                    step_flops=measured.graph.forward_flops + measured.graph.backward_flops,
+                    unplanned_peak=measured.peak_bytes, verify=verifier if verify else None,
+                    tileable=tileable if tiled else None)))
+            except InfeasibleBudgetError as exc:
+                failures.append(exc)
+            if tiled and fitting:
+                break
+        if fitting:
+            chosen = min(fitting, key=_extra_flops)
+            break
+    else:
+        lowest = min(failures, key=lambda e: e.smallest_feasible_bytes)
+        if graph_smallest is None or graph_smallest >= lowest.smallest_feasible_bytes:
+            raise lowest
         raise InfeasibleBudgetError(  # a graph plan goes lower than any module plan
-            f"{exc} A graph plan reaches {format_bytes(graph_smallest)} ({graph_smallest} "
-            "bytes): plan with that budget or more.",
+            f"{lowest} A graph plan reaches {format_bytes(graph_smallest)} "
+            f"({graph_smallest} bytes): plan with that budget or more.",
             smallest_feasible_bytes=graph_smallest,
-            unplanned_peak_bytes=exc.unplanned_peak_bytes) from None
+            unplanned_peak_bytes=lowest.unplanned_peak_bytes) from None
     if fallback is not None:
         chosen.notes.append(fallback)
     return _cached(key, chosen)
+
+
+def _extra_flops(candidate: Plan) -> int:
+    """What a plan costs: its extra FLOPs (recomputation, tile passes, halos)."""
+    if candidate.extra_flops is not None:
+        return candidate.extra_flops
+    return candidate.recompute_flops or 0
 
 
 def _cached(key: tuple, chosen: Plan) -> Plan:
@@ -300,10 +337,12 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
 
 
 def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
-                loss_fn: Callable[[Any], torch.Tensor] | None, stages: StageModel
+                loss_fn: Callable[[Any], torch.Tensor] | None, stages: StageModel,
+                probed: nn.Module
                 ) -> tuple[Callable[[Plan], Measured], Callable[[], list[bool]]]:
     """What the pure search asks of torch: a verifier (each candidate replayed on a meta
-    copy under the tracker) and which stages can run tiled (probed only when asked)."""
+    copy under the tracker) and which stages can run tiled (probed only when asked, on
+    ``probed``: the model with its spans registered, where it has spans)."""
     def verifier(candidate: Plan) -> Measured:
         try:
             return _verify(model, examples, candidate, amp, loss_fn)
@@ -313,7 +352,8 @@ def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
     def tileable() -> list[bool]:
         from remat3d.runtime.tiling.probe import tileable as probe
 
-        return probe(model, examples, amp, [(st.name, st.call_index) for st in stages.stages])
+        return probe(probed, examples, amp,
+                     [(st.name, st.call_index) for st in stages.stages])
 
     return verifier, tileable
 

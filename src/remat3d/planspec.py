@@ -158,6 +158,9 @@ class Plan:
     # the graph plan's step graph (capture/joint.py, graph_digest): a step whose graph
     # differs (another precision, model or torch) is refused, not run with this plan
     graph_digest: str | None = None
+    # spans of parents' forwards that regions name like modules (runtime/spans.py): parent
+    # module name -> for each span, its torch.fx node names; span k is "<parent>.@k"
+    spans: dict[str, list[list[str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]
@@ -166,6 +169,9 @@ class Plan:
         if self.graph_recompute is not None and self.regions:
             raise PlanError("A plan is either a graph plan (graph_recompute) or a plan of "
                             "module regions, not both.")
+        if self.graph_recompute is not None and self.spans:
+            raise PlanError("A graph plan (graph_recompute) has no spans: spans are "
+                            "regions of a module plan.")
         stray = sorted(set(self.graph_twice) - set(self.graph_recompute or ()))
         if stray:
             raise PlanError(f"graph_twice names nodes graph_recompute does not "
@@ -266,6 +272,13 @@ class Plan:
             if region.host:
                 extra += " output on host"
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
+        named = {r.module for r in self.regions}
+        for parent, spans in self.spans.items():  # the spans regions name (runtime/spans.py)
+            for k, nodes in enumerate(spans):
+                label = f"{parent}.@{k}" if parent else f"@{k}"
+                if label in named:
+                    lines.append(f"  span {label}: {', '.join(nodes)} of "
+                                 f"{parent or 'the model'}'s forward")
         return "\n".join(lines)
 
 

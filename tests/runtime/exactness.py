@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 import remat3d
 from remat3d import Plan, Region
+from remat3d.runtime.spans import spanned_copy, spans_for
 
 
 def train_step(model: nn.Module, x: torch.Tensor, amp: str | None = None, seed: int = 0):
@@ -76,6 +77,9 @@ def plans_for(model: nn.Module, x: torch.Tensor) -> dict[str, Plan]:
     op policy, offload. Modules that write in place into their input (in-place
     activations) cannot be a region on their own and are left out of 'every node'."""
     graph = remat3d.profile(model, tuple(x.shape)).graph
+    spans = spans_for(model, graph)  # a parent's own ops as units, as plan() makes them
+    if spans:
+        graph = remat3d.profile(spanned_copy(model, spans), tuple(x.shape)).graph
     skip = inplace_modules(model)
     leaves = _unique(n.name for n in graph.leaves() if n.name not in skip)
     blocks = _unique(n.name for n in graph.blocks())
@@ -86,12 +90,15 @@ def plans_for(model: nn.Module, x: torch.Tensor) -> dict[str, Plan]:
         return [Region(n, **kw) for n in names]
 
     return {
-        "every-node": Plan(regions=regions(leaves)),
-        "every-block": Plan(regions=regions(blocks)),
-        "nested": Plan(regions=regions(blocks) + regions(inner)),
-        "save-compute-heavy": Plan(regions=regions(blocks, policy="save-compute-heavy")),
-        "save-norm-and-pool": Plan(regions=regions(blocks, policy="save-norm-and-pool")),
-        "offload": Plan(regions=regions(blocks, decision="offload"), offload_min_bytes=0),
+        "every-node": Plan(regions=regions(leaves), spans=spans),
+        "every-block": Plan(regions=regions(blocks), spans=spans),
+        "nested": Plan(regions=regions(blocks) + regions(inner), spans=spans),
+        "save-compute-heavy": Plan(regions=regions(blocks, policy="save-compute-heavy"),
+                                   spans=spans),
+        "save-norm-and-pool": Plan(regions=regions(blocks, policy="save-norm-and-pool"),
+                                   spans=spans),
+        "offload": Plan(regions=regions(blocks, decision="offload"), offload_min_bytes=0,
+                        spans=spans),
     }
 
 

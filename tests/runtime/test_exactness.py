@@ -63,6 +63,19 @@ def test_zoo_presets_large(name, family):
     assert_exact(model, x, plans_for(model, x)[family])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", PLAN_FAMILIES)
+@pytest.mark.parametrize("name", ["nnunetv2", "resenc-l"])
+def test_nnunet_v2_networks(name, family):
+    """Their decoders concatenate in their own forward: the blocks are spans
+    (runtime/spans.py), bitwise like modules."""
+    model, x = _preset_case(name)
+    plan = plans_for(model, x)[family]
+    assert plan.spans and (family == "every-node"
+                           or any("@" in r.module for r in plan.regions))
+    assert_exact(model, x, plan)
+
+
 @pytest.mark.parametrize("name", ["nnunet", "unetr"])
 def test_large_presets_every_block(name):
     model, x = _preset_case(name)

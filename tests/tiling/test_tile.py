@@ -237,3 +237,15 @@ def test_several_outputs_at_two_resolutions() -> None:
     (g_down,) = torch.autograd.grad(tile(encoder, x, tile=4)[1].sum(), x)
     (g_down_ref,) = torch.autograd.grad(encoder(x)[1].sum(), x)
     torch.testing.assert_close(g_down, g_down_ref, rtol=TOL, atol=1e-6)
+
+
+def test_a_reversible_coupling_is_refused_by_name() -> None:
+    """It rebuilds its input from its whole output: a tile with halos cannot do that (the
+    planner's probe then never offers it as a tiled stage)."""
+    from remat3d.nn.coupling import AdditiveCoupling
+
+    coupling = AdditiveCoupling(nn.Conv3d(2, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1))
+    net = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), coupling)
+    x = torch.randn(1, 1, 16, 16, 16, requires_grad=True)
+    with pytest.raises(TilingError, match="AdditiveCoupling.*cannot run tiled"):
+        tile(net, x, tile=8)

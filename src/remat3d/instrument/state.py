@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from torch import nn
@@ -80,10 +80,14 @@ def current_placement() -> str | None:
     return where
 
 
-def register_module_names(model: nn.Module) -> None:
-    """Remember qualified names, so diagnostics can say ``encoder.2.conv`` not ``Conv3d``."""
+def register_module_names(model: nn.Module,
+                          extra: Mapping[str, nn.Module] | None = None) -> None:
+    """Remember qualified names, so diagnostics can say ``encoder.2.conv`` not ``Conv3d``;
+    ``extra``: modules outside the tree by name (a plan's spans, runtime/spans.py)."""
     for name, module in model.named_modules():
         _NAMES.setdefault(module, name or type(model).__name__)
+    for name, module in (extra or {}).items():
+        _NAMES.setdefault(module, name)
 
 
 def module_name(module: nn.Module) -> str:

@@ -64,6 +64,10 @@ class ReversibleBlock(nn.Module):
     passes); :class:`Coupling` overrides it with a one-pass version.
     """
 
+    # read by runtime/tiling/trace.py: a tile with halos cannot be inverted on its own
+    _remat3d_untileable = ("it rebuilds its input from its whole output in backward, and "
+                           "its functions must keep their input's size")
+
     def forward(self, x: Any, tape: RngTape | None = None) -> Any:
         raise NotImplementedError
 

@@ -4,8 +4,9 @@ NOTE [ Installing a plan without changing the model ]
   1. A region's module gets an instance attribute ``forward`` that wraps the class's
      forward; ``nn.Module.__call__`` (and so every hook) is untouched, and nothing is added
      to the module tree, so ``state_dict()`` keys, ``named_parameters()`` and parameter
-     identity stay as they were. ``remove`` deletes the attribute (or puts back an instance
-     ``forward`` the user had set).
+     identity stay as they were. A plan's spans (runtime/spans.py) are installed first,
+     outside the tree too, and regions name them like modules. ``remove`` deletes the
+     attribute (or puts back an instance ``forward`` the user had set).
      The model itself gets one too, holding the saved-tensor log of the forward (a
      ``with`` block: left even when the forward is interrupted).
   2. Calls are counted per module within one forward of the model, to pick the invocations
@@ -35,6 +36,7 @@ from remat3d.runtime.graph_run import apply_graph_plan, graph_plan_of, remove_gr
 from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
 from remat3d.runtime.region import RegionStats, checkpoint_region
+from remat3d.runtime.spans import install_spans, span_modules, uninstall_spans
 
 __all__ = ["AppliedPlan", "applied_state", "apply", "remove"]
 
@@ -104,18 +106,23 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None,
                                 amp=plan.amp, digest=plan.graph_digest,
                                 twice=plan.graph_twice)
-    modules = dict(model.named_modules())
-    by_module: dict[str, list[Region]] = {}
-    for region in plan.regions:
-        _check_region(region, modules)
-        by_module.setdefault(region.module, []).append(region)
+    spans = install_spans(model, plan.spans) if plan.spans else {}  # runtime/spans.py
+    try:
+        modules = {**dict(model.named_modules()), **spans}
+        by_module: dict[str, list[Region]] = {}
+        for region in plan.regions:
+            _check_region(region, modules)
+            by_module.setdefault(region.module, []).append(region)
+    except BaseException:
+        uninstall_spans(model)
+        raise
 
     state = AppliedPlan(
         model=model, plan=plan,
         stats={r.label: RegionStats(r.label, r.decision) for r in plan.regions},
         host=HostUsage(budget_bytes=plan.host_budget_bytes),
     )
-    register_module_names(model)
+    register_module_names(model, spans)
     for t in (*model.parameters(), *model.buffers()):
         storage = t.untyped_storage()
         state.weights[id(storage)] = weakref.ref(storage)
@@ -146,7 +153,7 @@ def remove(model: nn.Module) -> None:
         model.__dict__.pop("forward", None)
     else:
         object.__setattr__(model, "forward", state.root_forward)
-    modules = dict(model.named_modules())
+    modules = {**dict(model.named_modules()), **span_modules(model)}
     for name, original in state.originals.items():
         module = modules[name]
         if original is None:
@@ -155,6 +162,7 @@ def remove(model: nn.Module) -> None:
             object.__setattr__(module, "forward", original)
     for handle in state.handles:
         handle.remove()
+    uninstall_spans(model)  # after the regions: a parent's region wrapped its spanned forward
     del model.__dict__[_STATE_ATTR]
 
 

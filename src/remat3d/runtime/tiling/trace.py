@@ -29,6 +29,7 @@ from remat3d.halo import (
     POINTWISE,
     SpatialOp,
 )
+from remat3d.instrument.state import module_name
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.tiling.signatures import (
     DIM_OPS,
@@ -302,6 +303,18 @@ class _Recorder(TorchFunctionMode):
         return SpatialOp(POINTWISE, inputs, output)
 
 
+UNTILEABLE = "_remat3d_untileable"  # a class attribute: why its modules cannot run tiled
+
+
+def _refuse_untileable(module: torch.nn.Module) -> None:
+    """A module whose class says it cannot run tiled (a reversible coupling rebuilds its
+    input from its whole output) is refused by name, wherever it is called in the run."""
+    reason = getattr(type(module), UNTILEABLE, None)
+    if reason:
+        raise TilingError(f"{module_name(module)} ({type(module).__name__}) cannot run "
+                          f"tiled: {reason}.")
+
+
 def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
           device: torch.device | None = None) -> Trace:
     """Record ``fn(*inputs)`` on fake tensors (no memory, no compute, buffers untouched).
@@ -313,6 +326,7 @@ def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
             raise TilingError(f"Input {i} of a tiled run must be a 5-D tensor "
                               f"(N, C, D, H, W); got {got}.")
     modules = ModuleStack()
+    modules.on_enter.append(_refuse_untileable)
     recorder = _Recorder(modules)
     with _disable_current_modes(), torch.no_grad():
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
