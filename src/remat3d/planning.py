@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import logging
 import warnings
 import weakref
@@ -219,43 +220,32 @@ def plan(
                         f"reaches {format_bytes(graph_smallest)}): a module plan")
         else:
             return _cached(key, chosen)
-    # the parents' own ops between their children as regions (runtime/spans.py) and the
-    # modules as they are, both: a span is coarser than its children (a budget their
-    # separate regions reach may be out of its reach), so the cheaper plan of keep /
-    # recompute / offload decisions is taken, and only where neither fits, tiling (the
-    # spans first: they let a tiled run span the parent's own ops). Other strategies
-    # plan the spans where there are any (``blocks``: a span is a block, as MONAI writes it).
-    attempts = [(prof, header, model)]
+    # the modules as they are first, then with the parents' own ops between their
+    # children as regions (runtime/spans.py: a span is coarser than its children, so it
+    # is for the budgets they cannot reach); tiling only where no plan of keep /
+    # recompute / offload decisions fits, the spans first (a tiled run may then span the
+    # parent's own ops). Other strategies plan the spans where there are any (``blocks``:
+    # a span is a block, as MONAI writes it).
     spans = spans_for(model, prof.graph)
+    attempts = [_Attempt(model, examples, amp, loss_fn, prof, header, model)]
     if spans:
-        spanned = spanned_copy(model, spans)
-        attempts.insert(0, (profile(spanned, *examples, device="meta", amp=amp,
-                                    loss_fn=loss_fn),
-                            dataclasses.replace(header, spans=spans), spanned))
-        if strategy not in _GRAPH_CHOOSERS:
-            attempts = attempts[:1]
+        spanned = _Attempt(model, examples, amp, loss_fn, None,
+                           dataclasses.replace(header, spans=spans),
+                           spanned_copy(model, spans))
+        attempts = [spanned] if strategy not in _GRAPH_CHOOSERS else [*attempts, spanned]
+    # (structure, tiling allowed): the modules untiled; the spans, tiling where nothing
+    # else fits; the modules, tiling likewise (their untiled candidates measured already)
+    order = [(attempts[0], tile)]
+    if len(attempts) == 2:
+        order = [(attempts[0], False), (attempts[1], tile), *([(attempts[0], True)]
+                                                              if tile else [])]
     failures: list[InfeasibleBudgetError] = []
-    phases = (False, True) if tile and strategy in _GRAPH_CHOOSERS else (tile,)
-    for tiled in phases:
-        fitting = []
-        for measured, header_, probed in attempts:
-            stages = build_stages(measured.graph)
-            verifier, tileable = _torch_side(model, examples, amp, loss_fn, stages, probed)
-            try:
-                fitting.append(search(Problem(
-                    stages=stages, graph=measured.graph, budget=budget_bytes,
-                    strategy=strategy, options=PlannerOptions(offload=offload),
-                    header=header_,
-                    step_flops=measured.graph.forward_flops + measured.graph.backward_flops,
-                    unplanned_peak=measured.peak_bytes, verify=verifier if verify else None,
-                    tileable=tileable if tiled else None)))
-            except InfeasibleBudgetError as exc:
-                failures.append(exc)
-            if tiled and fitting:
-                break
-        if fitting:
-            chosen = min(fitting, key=_extra_flops)
+    for attempt, tiled in order:
+        try:
+            chosen = attempt.search(budget_bytes, strategy, offload, verify, tiled)
             break
+        except InfeasibleBudgetError as exc:
+            failures.append(exc)
     else:
         lowest = min(failures, key=lambda e: e.smallest_feasible_bytes)
         if graph_smallest is None or graph_smallest >= lowest.smallest_feasible_bytes:
@@ -270,11 +260,42 @@ def plan(
     return _cached(key, chosen)
 
 
-def _extra_flops(candidate: Plan) -> int:
-    """What a plan costs: its extra FLOPs (recomputation, tile passes, halos)."""
-    if candidate.extra_flops is not None:
-        return candidate.extra_flops
-    return candidate.recompute_flops or 0
+class _Attempt:
+    """One structure the module search plans on (the model, or the model with its
+    spans): profiled when first searched, its verifier's measurements kept, so the tiled
+    phase does not verify again what the first phase did."""
+
+    def __init__(self, model: nn.Module, examples: list[torch.Tensor], amp: str | None,
+                 loss_fn: Callable[[Any], torch.Tensor] | None, prof: Any, header: Plan,
+                 probed: nn.Module) -> None:
+        self.model, self.examples, self.amp, self.loss_fn = model, examples, amp, loss_fn
+        self.prof, self.header, self.probed = prof, header, probed
+        self.measured: dict[str, Measured] = {}
+
+    def search(self, budget: int, strategy: str, offload: bool, verify: bool,
+               tiled: bool) -> Plan:
+        if self.prof is None:
+            self.prof = profile(self.probed, *self.examples, device="meta", amp=self.amp,
+                                loss_fn=self.loss_fn)
+        graph = self.prof.graph
+        stages = build_stages(graph)
+        verifier, tileable = _torch_side(self.model, self.examples, self.amp, self.loss_fn,
+                                         stages, self.probed)
+
+        def remembered(candidate: Plan) -> Measured:
+            key = json.dumps([dataclasses.asdict(r) for r in candidate.regions]
+                             + [candidate.offload_min_bytes, candidate.prefetch,
+                                candidate.rebuild_saved], sort_keys=True)
+            if key not in self.measured:
+                self.measured[key] = verifier(candidate)
+            return self.measured[key]
+
+        return search(Problem(
+            stages=stages, graph=graph, budget=budget, strategy=strategy,
+            options=PlannerOptions(offload=offload), header=self.header,
+            step_flops=graph.forward_flops + graph.backward_flops,
+            unplanned_peak=self.prof.peak_bytes, verify=remembered if verify else None,
+            tileable=tileable if tiled else None))
 
 
 def _cached(key: tuple, chosen: Plan) -> Plan:

@@ -152,33 +152,54 @@ def _spans_of(graph: fx.Graph) -> list[list[fx.Node]]:
     return sorted(spans, key=lambda s: order[s[-1]])
 
 
-def find_spans(model: nn.Module, parents: Iterable[str]) -> dict[str, list[list[str]]]:
-    """The spans of each named parent's forward, as node names (NOTE rules 2 and 3)."""
+def _traced_spans(model: nn.Module, parents: Iterable[str]) -> dict[str, list[list[fx.Node]]]:
     modules = dict(model.named_modules())
-    found: dict[str, list[list[str]]] = {}
+    found: dict[str, list[list[fx.Node]]] = {}
     for name in sorted(set(parents)):
         parent = modules.get(name)
         graph = None if parent is None else _shallow_graph(parent)
-        if graph is None:
-            continue
-        spans = _spans_of(graph)
+        spans = [] if graph is None else _spans_of(graph)
         if spans:
-            found[name] = [[n.name for n in span] for span in spans]
+            found[name] = spans
     return found
+
+
+def _names(spans: dict[str, list[list[fx.Node]]]) -> dict[str, list[list[str]]]:
+    return {name: [[n.name for n in span] for span in group] for name, group in spans.items()}
+
+
+def find_spans(model: nn.Module, parents: Iterable[str]) -> dict[str, list[list[str]]]:
+    """The spans of each named parent's forward, as node names (NOTE rules 2 and 3)."""
+    return _names(_traced_spans(model, parents))
 
 
 def spans_for(model: nn.Module, graph: CostGraph) -> dict[str, list[list[str]]]:
     """The spans of ``model`` worth planning, from its profile's ``graph``: those of the
     model's own forward and of every invocation above two or more stages, and of a block
-    that its spans cut in two or more (ResEnc's decoder, one conv per stage, is one block
-    of single layers; a residual block's one span keeps the block the unit)."""
+    whose spans would make two or more units of it (two compute layers each: ResEnc's
+    decoder, one conv per stage, is one block of single layers; a residual block's one
+    span, or a functional ReLU between two convs, leaves the block the unit)."""
     names = {n.name for n in graph.nodes}
     containers = {name for name, _call, _covered in build_stages(graph).containers}
-    found = find_spans(model, sorted({"", *containers} & names))
+    found = _traced_spans(model, sorted({"", *containers} & names))
+    layers: dict[str, int] = {}
+    for n in reversed(graph.nodes):  # compute layers (ops with FLOPs) under each module
+        count = int(bool(n.self_fwd_flops)) + sum(layers.get(graph.nodes[c].name, 0)
+                                                  for c in n.children)
+        layers[n.name] = max(layers.get(n.name, 0), count)
+
+    def compute(parent: str, span: list[fx.Node]) -> int:
+        prefix = f"{parent}." if parent else ""
+        return sum(layers.get(prefix + str(n.target), 0) for n in span
+                   if n.op == "call_module")
+
+    # a span without a compute layer (a cat and a dropout) would be no stage: none
+    found = {name: kept for name, spans in found.items()
+             if (kept := [s for s in spans if compute(name, s) >= 1])}
     blocks = {b.name for b in graph.blocks()} - set(found)
-    found.update({name: spans for name, spans in find_spans(model, sorted(blocks)).items()
-                  if len(spans) >= 2})
-    return dict(sorted(found.items()))
+    found.update({name: spans for name, spans in _traced_spans(model, sorted(blocks)).items()
+                  if sum(compute(name, s) >= 2 for s in spans) >= 2})
+    return dict(sorted(_names(found).items()))
 
 
 def _target(root: nn.Module, target: str) -> Any:
