@@ -22,6 +22,8 @@ def test_exactness_row_compares_a_planned_step_bitwise(how: str) -> None:
     assert row["max_rel_grad_diff"] == 0.0
 
 
+# -m slow: 30 s of planning at 64^3; the rows and the report's parts are tested above
+@pytest.mark.slow
 def test_main_measures_plans_and_writes_the_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
     shape = (1, 1, 16, 16, 16)
     model = zoo.build_model("segresnet", spatial_size=shape[2:])

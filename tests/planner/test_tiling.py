@@ -129,6 +129,8 @@ def test_a_tiled_plan_keeps_the_stages_that_still_fit() -> None:
     assert plan.step_flops + plan.extra_flops < recomputed.flops
 
 
+# -m slow: 30 s (three tiled searches); host-resident tiled outputs: tests/tiling/test_host.py
+@pytest.mark.slow
 def test_with_offload_the_skip_goes_to_the_host_instead_of_being_recomputed() -> None:
     """At the smallest budget tiling reaches without host memory (the skip fused into
     both of its readers, recomputed in each), allowing offload keeps the skip in host
