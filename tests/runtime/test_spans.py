@@ -152,6 +152,11 @@ def test_a_span_naming_a_node_the_forward_lacks_is_refused_and_nothing_is_left()
     with pytest.raises(PlanError, match="decoder.@2"):
         remat3d.apply(net, bad)
     assert "forward" not in net.decoder.__dict__ and span_modules(net) == {}
+    half = Plan(regions=[Region("decoder.@0")],
+                spans={"decoder": [["transpconvs_0", "cat"]]})  # the cat is read outside
+    with pytest.raises(PlanError, match="is not a span"):
+        remat3d.apply(net, half)
+    assert "forward" not in net.decoder.__dict__
 
 
 def test_a_graph_plan_has_no_spans():

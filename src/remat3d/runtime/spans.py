@@ -292,6 +292,14 @@ class SpannedForward:
                     f"Plan span {span.label} names {', '.join(missing[:3])}, which the "
                     f"traced forward of '{self.name or '(model)'}' does not have: the plan "
                     "was made for another version of this model. Make a new plan for it.")
+        valid = {tuple(n.name for n in span) for span in _spans_of(graph)}
+        for span in self.spans:  # a plan written by hand: only what NOTE rules 2-3 allow
+            if tuple(span.nodes) not in valid:
+                raise PlanError(
+                    f"Plan span {span.label} ({', '.join(span.nodes)}) is not a span of "
+                    f"the forward of '{self.name or '(model)'}' (spans: "
+                    f"{'; '.join(', '.join(v) for v in sorted(valid)) or 'none'}). Make a "
+                    "new plan for this model (remat3d.plan).")
         last = {}
         member_of: dict[fx.Node, Span] = {}
         inputs: dict[int, list[fx.Node]] = {}
