@@ -230,8 +230,7 @@ def plan(
     attempts = [_Attempt(model, examples, amp, loss_fn, prof, header, model)]
     if spans:
         spanned = _Attempt(model, examples, amp, loss_fn, None,
-                           dataclasses.replace(header, spans=spans),
-                           spanned_copy(model, spans))
+                           dataclasses.replace(header, spans=spans), None)
         attempts = [spanned] if strategy not in _GRAPH_CHOOSERS else [*attempts, spanned]
     # (structure, tiling allowed): the modules untiled; the spans, tiling where nothing
     # else fits; the modules, tiling likewise (their untiled candidates measured already)
@@ -262,18 +261,21 @@ def plan(
 
 class _Attempt:
     """One structure the module search plans on (the model, or the model with its
-    spans): profiled when first searched, its verifier's measurements kept, so the tiled
-    phase does not verify again what the first phase did."""
+    spans): copied with its spans and profiled when first searched (a budget the modules
+    reach never makes the copy), its verifier's measurements kept, so the tiled phase
+    does not verify again what the first phase did."""
 
     def __init__(self, model: nn.Module, examples: list[torch.Tensor], amp: str | None,
                  loss_fn: Callable[[Any], torch.Tensor] | None, prof: Any, header: Plan,
-                 probed: nn.Module) -> None:
+                 probed: nn.Module | None) -> None:
         self.model, self.examples, self.amp, self.loss_fn = model, examples, amp, loss_fn
         self.prof, self.header, self.probed = prof, header, probed
         self.measured: dict[str, Measured] = {}
 
     def search(self, budget: int, strategy: str, offload: bool, verify: bool,
                tiled: bool) -> Plan:
+        if self.probed is None:
+            self.probed = spanned_copy(self.model, self.header.spans)
         if self.prof is None:
             self.prof = profile(self.probed, *self.examples, device="meta", amp=self.amp,
                                 loss_fn=self.loss_fn)
