@@ -43,6 +43,24 @@ def test_weight_casts_are_cached_within_the_context():
         conv(x)
         conv(x)
         assert len(mode._cache) == 2  # weight and bias, cast once each
+
+def test_a_cast_made_on_fake_tensors_is_not_kept_for_the_real_step():
+    # a tiled run is traced on fake tensors inside the step's autocast; its weight casts
+    # must not be cached, or every later op of the step runs on fake tensors (slowly)
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    conv = nn.Conv3d(2, 2, 3).to("meta")
+    x = torch.empty(1, 2, 8, 8, 8, device="meta")
+    mode = MetaAutocast(torch.bfloat16)
+    with mode:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            assert isinstance(conv(fake.from_tensor(x)), FakeTensor)
+        assert not mode._cache
+        y = conv(x)
+        assert not isinstance(y, FakeTensor) and y.dtype == torch.bfloat16
+        assert len(mode._cache) == 2
+
     assert not mode._cache
 
 

@@ -249,3 +249,19 @@ def test_a_reversible_coupling_is_refused_by_name() -> None:
     x = torch.randn(1, 1, 16, 16, 16, requires_grad=True)
     with pytest.raises(TilingError, match="AdditiveCoupling.*cannot run tiled"):
         tile(net, x, tile=8)
+
+
+def test_a_weight_used_after_a_tiled_run_under_autocast_is_a_real_tensor() -> None:
+    # the tiled run is traced on fake tensors inside the user's autocast block; autocast's
+    # weight-cast cache must not keep the fake cast for the block's later ops
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    net = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.InstanceNorm3d(4, affine=True),
+                        nn.LeakyReLU(), nn.Conv3d(4, 2, 3, padding=1))
+    x = _x(1, 2, 16, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tile(net, x, tile=8)
+        z = net[0](x)
+    assert not isinstance(y, FakeTensor) and not isinstance(z, FakeTensor)
+    (y.float().sum() + z.float().sum()).backward()
+    assert net[0].weight.grad is not None and not isinstance(net[0].weight.grad, FakeTensor)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat3d.units import parse_amp
@@ -166,6 +167,10 @@ class MetaAutocast(TorchFunctionMode):
                 return hit[1]
         with torch._C.DisableTorchFunction():
             y = x.to(dtype)
+        if cacheable and isinstance(y, FakeTensor) and not isinstance(x, FakeTensor):
+            # cast inside a trace on fake tensors (a tiled run's, runtime/tiling/trace.py):
+            # kept, it would make every later op of the real step run on fake tensors
+            cacheable = False
         if cacheable:
             self._cache[id(x)] = (x, y)
         return y

@@ -11,7 +11,8 @@ tile by tile, is refused here with a :class:`TilingError` that names the op and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,6 +316,19 @@ def _refuse_untileable(module: torch.nn.Module) -> None:
                           f"tiled: {reason}.")
 
 
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """Autocast's weight-cast cache off while the trace runs: a weight cast on fake
+    tensors, kept, would be what the real step's later ops of the same autocast block get
+    (fake tensors: every later use of the weight fails or runs on fakes)."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
           device: torch.device | None = None) -> Trace:
     """Record ``fn(*inputs)`` on fake tensors (no memory, no compute, buffers untouched).
@@ -336,7 +350,7 @@ def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
                 fakes = [f if f.device == device else torch.empty_like(f, device=device)
                          for f in fakes]
         nodes = [recorder.new_node(f) for f in fakes]
-        with modules, BufferGuard(modules), fake_mode, recorder:
+        with modules, BufferGuard(modules), _no_autocast_cache(), fake_mode, recorder:
             out = fn(*fakes)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if not outs or any(not isinstance(o, torch.Tensor) or getattr(o, _NODE, None) is None
