@@ -157,3 +157,55 @@ def test_with_offload_the_skip_goes_to_the_host_instead_of_being_recomputed() ->
     remat3d.apply(tiled, hosted)
     x = torch.randn(SHAPE, dtype=torch.float64)
     assert_same_step(_step(net, x), _step(tiled, x), 1e-12)
+
+
+def test_a_layout_is_passed_over_when_a_more_frugal_one_does_not_fit() -> None:
+    """NOTE [ Tiling layouts ] rule 6: before a layout is verified, the most frugal layout
+    of its stages and tiles is; when it does not fit, neither is verified again, and the
+    layout chosen is the first in cost order that fits and was measured."""
+    from remat3d.planner.registry import PlannerOptions
+    from remat3d.planner.stages import Stage, StageModel
+    from remat3d.planner.tiled_plans import first_fitting_layout
+    from remat3d.planner.tiling import Layout
+    from remat3d.planspec import Plan
+
+    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
+                                for i in range(2)],
+                        base=0, glue_saved=[0, 0], pending=[0, 0], grads_after=[0, 0])
+    edge = (8, 8, 8)
+
+    def lay(tile: int, fuse: str, first: str) -> Layout:
+        return Layout(depth=1, fuse=fuse, tile=tile,
+                      tiled={0: (edge if tile == 8 else (4, 4, 4), first),
+                             1: (edge if tile == 8 else (4, 4, 4), "device")})
+
+    # cost order: tile 8 stored, tile 8 on host, tile 4 stored, tile 4 on host
+    order = [lay(8, "none", "device"), lay(8, "host", "host"),
+             lay(4, "none", "device"), lay(4, "host", "host")]
+    peaks = {(8, "device"): 90, (8, "host"): 70, (4, "device"): 60, (4, "host"): 40}
+    verified: list[tuple[int, str]] = []
+
+    def check(plan: Plan) -> Plan:
+        tiled = [r for r in plan.regions if r.decision == "tile"]
+        key = (tiled[0].tile[0], "host" if tiled[0].host else "device")
+        verified.append(key)
+        plan.verified_peak_bytes = peaks[key]
+        return plan
+
+    def fresh(regions: list[Region]) -> Plan:
+        return Plan(regions=regions)
+
+    chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 50,
+                                            fresh, check)
+    assert chosen is not None and chosen.regions[0].tile == [4, 4, 4]
+    assert chosen.regions[0].host  # the stored tile-4 layout (60) does not fit 50
+    # tile 8's host layout (the frugal one) was measured once, above 50: tile 8 stored
+    # was never verified
+    assert verified == [(8, "host"), (4, "host"), (4, "device")]
+    assert smallest == 40
+    # a budget the stored tile-8 layout fits: it is chosen, after its frugal probe
+    verified.clear()
+    chosen, _ = first_fitting_layout(order, stages, PlannerOptions(), None, 95, fresh, check)
+    assert chosen is not None and chosen.regions[0].tile == [8, 8, 8]
+    assert not chosen.regions[0].host
+    assert verified == [(8, "host"), (8, "device")]

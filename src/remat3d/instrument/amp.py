@@ -33,8 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat3d.units import parse_amp

@@ -20,8 +20,8 @@ from remat3d.planner.tiling import Layout
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
-__all__ = ["extra_cost", "first_fitting_layout", "greedy_prune", "layout_regions",
-           "prune_tiled"]
+__all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
+           "layout_regions", "prune_tiled"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,27 @@ def layout_regions(stages: StageModel, layout: Layout,
     return regions
 
 
+def at_least_as_frugal(a: Layout, b: Layout) -> bool:
+    """Whether ``a`` keeps no more on the device than ``b`` (NOTE [ Tiling layouts ] rule
+    6): the same stages with the same tiles, each output where ``b`` has it or, where
+    ``b`` stores it on the device, in host memory. (Not fused: a fused output is
+    recomputed inside its readers' tiles, which hold more at a time; at small volumes
+    that peak is the higher one.)"""
+    if a.tiled.keys() != b.tiled.keys():
+        return False
+    for s, (size, out) in a.tiled.items():
+        size_b, out_b = b.tiled[s]
+        if size != size_b or not (out == out_b or (out == TiledOutput.HOST
+                                                   and out_b == TiledOutput.DEVICE)):
+            return False
+    return True
+
+
+def _stored(layout: Layout) -> int:
+    """How many of ``layout``'s tiled outputs stay on the device."""
+    return sum(out == TiledOutput.DEVICE for _, out in layout.tiled.values())
+
+
 def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                          options: PlannerOptions, host_budget: int | None, budget: int,
                          fresh: Callable[[list[Region]], Plan], check: Check
@@ -61,26 +82,60 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
 
     Each layout tiles its stages and recomputes every other stage (``prune_tiled`` then
     keeps what still fits); layouts whose verified peak exceeds the budget are passed
-    over. ``fresh(regions)`` makes a plan with the search's header fields."""
+    over, and so is every layout that stores on the device all that one passed over
+    stores there (rule 6): before a layout is verified, the one of its stages and tiles
+    that keeps the most in host memory is, once. ``fresh(regions)`` makes a plan with the
+    search's header fields."""
+    ordered = list(candidates)
     smallest = 1 << 62
-    for layout in candidates:
+    measured: dict[int, Plan | None] = {}   # candidate index -> verified plan (None: skipped)
+    failed: list[Layout] = []               # verified above the budget
+
+    def verify(i: int) -> Plan | None:
+        if i in measured:
+            return measured[i]
+        nonlocal smallest
+        layout = ordered[i]
         candidate = fresh(layout_regions(stages, layout, options.recomputable))
         candidate.notes.append(f"tiling layout: {layout.label}")
+        measured[i] = None
         try:
             check(candidate)
         except TilingError as exc:  # an op the probe did not see (shape-dependent code)
             log.info("tiling layout %s skipped: %s", layout.label, exc)
-            continue
+            return None
         peak = candidate.verified_peak_bytes or 0
         host = candidate.verified_host_bytes or 0
         log.info("tiling layout %s: verified peak %s, host %s, extra %.3g FLOPs",
                  layout.label, format_bytes(peak), format_bytes(host),
                  candidate.extra_flops or 0)
         if host_budget is not None and host > host_budget:
-            continue
+            return None
         smallest = min(smallest, peak)
-        if peak <= budget:
-            return candidate, smallest
+        if peak > budget:
+            failed.append(layout)
+            return None
+        measured[i] = candidate
+        return candidate
+
+    def passed_over(layout: Layout) -> bool:
+        return any(at_least_as_frugal(f, layout) for f in failed)
+
+    for i, layout in enumerate(ordered):
+        if passed_over(layout):
+            continue
+        # the most frugal layout of the same stages and tiles (it fits, or none it
+        # dominates does)
+        frugal = min((j for j, other in enumerate(ordered)
+                      if at_least_as_frugal(other, layout)),
+                     key=lambda j: (_stored(ordered[j]), j))
+        if frugal != i:
+            verify(frugal)
+            if passed_over(layout):
+                continue
+        chosen = verify(i)
+        if chosen is not None:
+            return chosen, smallest
     return None, smallest
 
 
@@ -94,7 +149,9 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
     Verifying a tiled plan is slow at 512³ (tens of seconds), so a step is only tried
     for a stage that recomputes at least 1 % of the step's FLOPs, and when the bytes it
     would add to the stage's saved tensors, by the stage model, fit in what the budget
-    has left above the verified peak.
+    has left above the verified peak. The steps whose bytes fit that room together are
+    first tried at once (one verification where the layout left room); the others, or
+    all of them when that does not fit, one at a time.
     """
     by_name = {(st.name, st.call_index): st for st in stages.stages}
 
@@ -121,8 +178,23 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
         return (candidate.verified_peak_bytes or 0) <= budget and \
             extra_cost(candidate) <= extra_cost(current)
 
-    return greedy_prune(best, sorted(recomputed, key=lambda pair: -pair[1].fwd_flops),
-                        trials, cheaper)
+    steps = sorted(recomputed, key=lambda pair: -pair[1].fwd_flops)
+    # first every step at once whose bytes fit the slack together (costliest first): where
+    # the tiled layout left room, one verification keeps them all
+    batch, room = [], budget - (best.verified_peak_bytes or 0)
+    for region, st in steps:
+        added = st.kept(KEEP) - st.kept(RECOMPUTE)
+        if added <= room:
+            batch.append(region)
+            room -= added
+    if len(batch) >= 2:
+        kept = check(dataclasses.replace(
+            best, regions=[r for r in best.regions if all(r is not b for b in batch)],
+            notes=list(best.notes)))
+        if cheaper(kept, best):
+            best = kept
+            steps = [(r, st) for r, st in steps if all(r is not b for b in batch)]
+    return greedy_prune(best, steps, trials, cheaper)
 
 
 def greedy_prune(best: Plan, steps: Iterable[T], trials: Callable[[T, Plan], Iterator[Plan]],

@@ -37,6 +37,17 @@ NOTE [ Tiling layouts ]
      a run costs extra passes over the run and fusion
      puts more normalisations in a run; smaller tiles add halo overlap. The order is a
      heuristic; the memory of each layout is measured, never guessed.
+  6. Verifying a layout runs every tile of it on the meta device (tens of seconds at 64
+     tiles), so layouts are passed over by dominance: a layout that keeps on the device
+     every output another layout of the same stages and tiles keeps there, where that
+     one keeps some in host memory instead, is taken to need at least its peak (a
+     host-resident output leaves only its readers' slices on the device). Before a
+     layout is verified, the one of its stages and tiles that keeps the most in host
+     memory is, once; when it does not fit, the layouts it dominates are passed over
+     unmeasured (``planner/tiled_plans.py``, ``first_fitting_layout``). Fusion is not
+     ordered so: a fused output is recomputed inside its readers' tiles, which then hold
+     more at a time, and at small volumes that peak is the higher one. The plan chosen is
+     always one that was measured.
 """
 
 from __future__ import annotations
