@@ -31,6 +31,7 @@ from torch import nn
 from remat3d.decisions import Decision
 from remat3d.instrument.state import is_recomputing, module_name, register_module_names
 from remat3d.planspec import Plan, PlanError, Region
+from remat3d.runtime.compiled import compiled_recompute, compiling, eager_region
 from remat3d.runtime.fingerprint import model_fingerprint
 from remat3d.runtime.graph_run import apply_graph_plan, graph_plan_of, remove_graph_plan
 from remat3d.runtime.offload import HostUsage, OffloadHooks
@@ -283,7 +284,8 @@ class _LoggedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
-        if is_recomputing() or not torch.is_grad_enabled() or state.logger is not None:
+        if (is_recomputing() or not torch.is_grad_enabled() or state.logger is not None
+                or compiling()):  # NOTE [ Plans under torch.compile ] rule 4
             return self.inner(*args, **kwargs)
         state.logger = _LogSaved(state)
         try:
@@ -318,6 +320,15 @@ class _PlannedForward:
         return self.original(*args, **kwargs)
 
     def _run(self, region: Region, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if compiling():  # NOTE [ Plans under torch.compile ] rules 2 and 3
+            if region.decision == Decision.RECOMPUTE:
+                self.state.stats[region.label].forward_runs += 1
+                return compiled_recompute(region, fn, args, kwargs)
+            return eager_region(self._run_eager, region.label)(region, fn, args, kwargs)
+        return self._run_eager(region, fn, args, kwargs)
+
+    def _run_eager(self, region: Region, fn: Callable[..., Any], args: tuple,
+                   kwargs: dict) -> Any:
         state = self.state
         stats = state.stats[region.label]
         if region.decision == Decision.TILE:

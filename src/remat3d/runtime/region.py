@@ -34,6 +34,7 @@ from remat3d.runtime.compat import (
     checkpoint_early_stop,
     register_determinism_check,
 )
+from remat3d.runtime.compiled import compiled_checkpoint, compiling
 from remat3d.runtime.guards import (
     BufferGuard,
     Diagnosis,
@@ -388,6 +389,16 @@ def checkpoint(
             raise Remat3dError(f"Keyword {both[0]!r} is given both directly and in "
                                "fn_kwargs; give it once.")
         kwargs = {**kwargs, **fn_kwargs}
+    if compiling():  # NOTE [ Plans under torch.compile ] rule 5
+        if not offload:
+            return compiled_checkpoint(fn, args, kwargs, policy=policy,
+                                       context_fn=context_fn,
+                                       preserve_rng_state=preserve_rng_state)
+        return torch.compiler.disable(checkpoint_region)(
+            fn, args, kwargs, policy=policy, offload=offload,
+            determinism_check=determinism_check, name=name,
+            preserve_rng_state=preserve_rng_state, context_fn=context_fn, debug=debug,
+            early_stop=early_stop)
     return checkpoint_region(fn, args, kwargs, policy=policy, offload=offload,
                              determinism_check=determinism_check, name=name,
                              preserve_rng_state=preserve_rng_state, context_fn=context_fn,

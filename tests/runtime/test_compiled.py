@@ -1,0 +1,127 @@
+"""Applied module plans under torch.compile (runtime/compiled.py, NOTE [ Plans under
+torch.compile ]): recompute regions compile without a graph break; tiled and offload
+regions run eagerly behind one break each; gradients equal the eager planned step's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat3d
+from remat3d import Plan, Region
+from tests.runtime.exactness import train_step
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+
+    def block(cin: int, cout: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1),
+                             nn.InstanceNorm3d(cout, affine=True), nn.LeakyReLU(inplace=True))
+
+    return nn.Sequential(block(1, 4), block(4, 8), block(8, 4), nn.Conv3d(4, 2, 1))
+
+
+X = (1, 1, 16, 16, 16)
+
+
+def _compiled_step(model: nn.Module, x: torch.Tensor):  # type: ignore[no-untyped-def]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    for p in model.parameters():
+        p.grad = None
+    out = compiled(x)
+    (out.float() ** 2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _breaks(model: nn.Module, x: torch.Tensor) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(model)(x).graph_break_count
+
+
+@pytest.mark.parametrize("policy", [None, "save-compute-heavy", ["convolution"]])
+def test_recompute_regions_compile_without_a_graph_break_and_keep_the_gradients(
+        policy) -> None:  # type: ignore[no-untyped-def]
+    net = _net()
+    x = torch.randn(X)
+    plan = Plan(regions=[Region("0", policy=policy), Region("1"), Region("2")])
+    planned = remat3d.apply(copy.deepcopy(net), plan)
+    assert _breaks(planned, x) == 0
+    out, grads = _compiled_step(planned, x)
+    eager_out, eager_grads, _ = train_step(copy.deepcopy(net), x)
+    # aot_eager runs the same aten kernels as eager: the recomputed step is bit-identical
+    assert torch.equal(out, eager_out[0])
+    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+
+
+def test_tiled_and_offload_regions_run_eagerly_in_a_compiled_step() -> None:
+    from remat3d.runtime.apply import applied_state
+
+    net = _net()
+    x = torch.randn(X)
+    plan = Plan(regions=[Region("0", decision="tile", tile=[8, 8, 8]),
+                         Region("1", decision="offload"), Region("2")])
+    planned = remat3d.apply(copy.deepcopy(net), plan)
+    eager_out, eager_grads, _ = train_step(planned, x)  # the plan's own eager step
+    out, grads = _compiled_step(planned, x)
+    assert torch.equal(out, eager_out[0])
+    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    # every region ran in the compiled step's forward (the tiled and the offload one as
+    # planned, eagerly, outside the graph)
+    stats = applied_state(planned).stats  # type: ignore[union-attr]
+    assert all(stats[label].forward_runs == 1 for label in ("0", "1", "2"))
+
+
+def test_a_fused_tiled_output_is_materialised_for_the_compiled_graph() -> None:
+    net = _net()
+    x = torch.randn(X)
+    plan = Plan(regions=[Region("0", decision="tile", tile=[8, 8, 8], fuse=True),
+                         Region("1", decision="tile", tile=[8, 8, 8])])
+    planned = remat3d.apply(copy.deepcopy(net), plan)
+    eager_out, eager_grads, _ = train_step(planned, x)
+    with pytest.warns(RuntimeWarning, match="stored on the device"):
+        out, grads = _compiled_step(planned, x)
+    # the fused output is computed once instead of inside the reader's tiles: the same
+    # values up to the order of the normalisation's sums
+    torch.testing.assert_close(out, eager_out[0], rtol=1e-5, atol=1e-6)
+    for n, g in eager_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-6)
+
+
+def test_a_graph_plan_compiles_and_keeps_the_gradients() -> None:
+    net = _net()
+    x = torch.randn(X)
+    plan = remat3d.plan(net, X, budget="0.7x", graph=True)
+    assert plan.graph_recompute
+    planned = remat3d.apply(copy.deepcopy(net), plan)
+    eager_out, eager_grads, _ = train_step(planned, x)
+    assert _breaks(planned, x) == 0
+    out, grads = _compiled_step(planned, x)
+    assert torch.equal(out, eager_out[0])
+    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+
+
+def test_remat3d_checkpoint_inside_a_compiled_model_compiles_without_a_graph_break() -> None:
+    net = _net()
+    x = torch.randn(X)
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = remat3d.checkpoint(self.inner[0], x, policy="save-compute-heavy")
+            h = remat3d.checkpoint(self.inner[1], h)
+            return self.inner[3](self.inner[2](h))
+
+    wrapped = Wrapped(copy.deepcopy(net))
+    assert _breaks(wrapped, x) == 0
+    out, grads = _compiled_step(wrapped, x)
+    eager_out, eager_grads, _ = train_step(copy.deepcopy(net), x)
+    assert torch.equal(out, eager_out[0])
+    assert all(torch.equal(grads["inner." + n], g) for n, g in eager_grads.items())
