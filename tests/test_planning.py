@@ -105,6 +105,7 @@ def test_recursive_nests_regions_and_stays_exact():
     assert all(r.recomputes >= 1 for r in report.regions)
 
 
+@pytest.mark.slow  # -m slow: 18 s; module plans on real models: tests/runtime/test_exactness.py
 def test_a_plan_applies_to_the_real_model_and_stays_exact():
     torch.manual_seed(0)
     model = zoo.build_model("segresnet")

@@ -14,7 +14,9 @@ from remat3d import zoo
 from remat3d.bench.tracker_report import validate_preset
 from remat3d.instrument.step import meta_copy
 
-SLOW = {"swinunetr", "resenc-l"}  # a minute, 40 s of CPU; run with -m slow (nnunetv2: by default)
+# a minute, 40 s of CPU; run with -m slow. nnunet (DynUNet, 18 s) too: nnunetv2, the same
+# conv -> InstanceNorm -> in-place LeakyReLU architecture, runs by default
+SLOW = {"swinunetr", "resenc-l", "nnunet"}
 
 
 @pytest.mark.parametrize("name", [

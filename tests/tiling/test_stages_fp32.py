@@ -42,13 +42,14 @@ from remat3d.zoo.full_resolution import FULL_RESOLUTION
 
 CASES = [  # preset, volume, tile sizes (one dividing the volume, one not)
     ("unet", 32, (16, (20, 32, 13))),
-    # basicunet's stages at 32 features: the tile that does not divide only (28 s for
-    # both; the dividing one runs with -m slow)
+    # basicunet's and segresnet's: the tile that does not divide only (28 s and 16 s
+    # for both; the dividing ones run with -m slow)
     ("basicunet", 32, ((13, 32, 22),)),
-    ("segresnet", 32, (16, (19, 32, 12))),
+    ("segresnet", 32, ((19, 32, 12),)),
 ]
 SLOW_CASES = [
     ("basicunet", 32, (16,)),
+    ("segresnet", 32, (16,)),
     ("unet", 48, (24, (20, 48, 17))),
     ("basicunet", 48, (24, (13, 48, 22))),
     ("segresnet", 48, (24, (19, 48, 30))),

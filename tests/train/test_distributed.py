@@ -52,7 +52,9 @@ def step_losses(folder):
             if r["event"] == "step"]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+# ddp with -m slow (17 s): DDP runs by default in the other tests here (resume with
+# another world size), FSDP2 here
+@pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_two_processes_equal_one_accumulating_process(setup, mode):
     root, config, single = setup
     out = run(root, torchrun(), config, mode, f"--distributed={mode}")

@@ -8,7 +8,9 @@ NOTE [ The partitioner's choices as seeds ]
      greedy on exact liveness is not (a run of pointwise ops recomputed for nothing in
      FLOPs), and its knapsack ignores which tensors are alive together, where the greedy
      does not; each misses what the other finds.
-  2. Here it runs on the captured joint graph at a ladder of fractions (``FRACTIONS``);
+  2. Here it runs on the captured joint graph at a ladder of fractions (``FRACTIONS``:
+     six, 0.9 down to 0.0; eleven until 2026-12-02, when each plan asked for all of them
+     and partitioning was most of a small plan's time);
      what it recomputes is read from its backward graph (the forward ops found there by
      name), as plain lists of node names. remat3d's own partition (MUST_RECOMPUTE tags and
      ``default_partition``, ``runtime/graph_run.py``) then runs them, and the planner
@@ -37,8 +39,9 @@ __all__ = ["FRACTIONS", "partitioner_choices"]
 
 log = logging.getLogger(__name__)
 
-# from saving most of what it would to recomputing all it can
-FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0)
+# from saving most of what it would to recomputing all it can, every other tenth (each
+# is a partition, ~0.5-1 s): torch.compile's usual settings are among them
+FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1, 0.0)
 _KEPT: OrderedDict[tuple, list[str] | None] = OrderedDict()  # NOTE rule 4
 _KEEP = 64  # (graph, fraction) pairs: a few graphs' ladders
 
