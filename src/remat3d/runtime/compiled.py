@@ -39,6 +39,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from remat3d.errors import Remat3dError
 from remat3d.planspec import Region
 from remat3d.runtime.policies import resolve_policy
 from remat3d.units import format_bytes
@@ -59,6 +60,10 @@ def compiled_checkpoint(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     """NOTE rule 2: ``fn`` as a non-reentrant checkpoint dynamo captures (an op policy as
     selective checkpointing's context)."""
     policy_fn = resolve_policy(policy)
+    if policy_fn is not None and context_fn is not None:
+        raise Remat3dError(  # as in eager (runtime/region.py): both choose what to keep
+            "A checkpoint is given both an op policy and a context_fn; both choose what "
+            "to keep. Pass one (a policy_fn can be given as policy=).")
     if policy_fn is not None:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
