@@ -44,6 +44,19 @@ def _breaks(model: nn.Module, x: torch.Tensor) -> int:
     return torch._dynamo.explain(model)(x).graph_break_count
 
 
+def _assert_compiles_bitwise(model: nn.Module, x: torch.Tensor, reference: nn.Module,
+                             *, prefix: str = "", no_break: bool = True) -> None:
+    """The compiled step of ``model`` (``aot_eager``: eager's aten kernels) equals
+    ``reference``'s eager step bit for bit (``prefix``: where ``reference``'s parameters
+    sit in ``model``), with no graph break unless ``no_break`` is False."""
+    eager_out, eager_grads, _ = train_step(reference, x)
+    if no_break:
+        assert _breaks(model, x) == 0
+    out, grads = _compiled_step(model, x)
+    assert torch.equal(out, eager_out[0])
+    assert all(torch.equal(grads[prefix + n], g) for n, g in eager_grads.items())
+
+
 @pytest.mark.parametrize("policy", [None, "save-compute-heavy", ["convolution"]])
 def test_recompute_regions_compile_without_a_graph_break_and_keep_the_gradients(
         policy) -> None:  # type: ignore[no-untyped-def]
@@ -51,12 +64,8 @@ def test_recompute_regions_compile_without_a_graph_break_and_keep_the_gradients(
     x = torch.randn(X)
     plan = Plan(regions=[Region("0", policy=policy), Region("1"), Region("2")])
     planned = remat3d.apply(copy.deepcopy(net), plan)
-    assert _breaks(planned, x) == 0
-    out, grads = _compiled_step(planned, x)
-    eager_out, eager_grads, _ = train_step(copy.deepcopy(net), x)
-    # aot_eager runs the same aten kernels as eager: the recomputed step is bit-identical
-    assert torch.equal(out, eager_out[0])
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    # the recomputed step is bit-identical to the unplanned one
+    _assert_compiles_bitwise(planned, x, copy.deepcopy(net))
 
 
 def test_tiled_and_offload_regions_run_eagerly_in_a_compiled_step() -> None:
@@ -67,10 +76,8 @@ def test_tiled_and_offload_regions_run_eagerly_in_a_compiled_step() -> None:
     plan = Plan(regions=[Region("0", decision="tile", tile=[8, 8, 8]),
                          Region("1", decision="offload"), Region("2")])
     planned = remat3d.apply(copy.deepcopy(net), plan)
-    eager_out, eager_grads, _ = train_step(planned, x)  # the plan's own eager step
-    out, grads = _compiled_step(planned, x)
-    assert torch.equal(out, eager_out[0])
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    # against the plan's own eager step (tiled: not bitwise the unplanned one)
+    _assert_compiles_bitwise(planned, x, planned, no_break=False)
     # every region ran in the compiled step's forward (the tiled and the offload one as
     # planned, eagerly, outside the graph)
     stats = applied_state(planned).stats  # type: ignore[union-attr]
@@ -99,11 +106,7 @@ def test_a_graph_plan_compiles_and_keeps_the_gradients() -> None:
     plan = remat3d.plan(net, X, budget="0.7x", graph=True)
     assert plan.graph_recompute
     planned = remat3d.apply(copy.deepcopy(net), plan)
-    eager_out, eager_grads, _ = train_step(planned, x)
-    assert _breaks(planned, x) == 0
-    out, grads = _compiled_step(planned, x)
-    assert torch.equal(out, eager_out[0])
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    _assert_compiles_bitwise(planned, x, planned)
 
 
 def test_remat3d_checkpoint_inside_a_compiled_model_compiles_without_a_graph_break() -> None:
@@ -120,12 +123,8 @@ def test_remat3d_checkpoint_inside_a_compiled_model_compiles_without_a_graph_bre
             h = remat3d.checkpoint(self.inner[1], h)
             return self.inner[3](self.inner[2](h))
 
-    wrapped = Wrapped(copy.deepcopy(net))
-    assert _breaks(wrapped, x) == 0
-    out, grads = _compiled_step(wrapped, x)
-    eager_out, eager_grads, _ = train_step(copy.deepcopy(net), x)
-    assert torch.equal(out, eager_out[0])
-    assert all(torch.equal(grads["inner." + n], g) for n, g in eager_grads.items())
+    _assert_compiles_bitwise(Wrapped(copy.deepcopy(net)), x, copy.deepcopy(net),
+                             prefix="inner.")
 
 
 @pytest.mark.slow  # -m slow: 40 s (plans and compiles nnunet at 64³)
@@ -151,8 +150,4 @@ def test_nnunet_v2_with_spans_compiles_without_a_graph_break() -> None:
     plan = remat3d.plan(net, tuple(x.shape), budget="0.3x", graph=False, strategy="blocks")
     assert plan.spans  # the decoder's transposed conv + cat + stage as one unit
     planned = remat3d.apply(copy.deepcopy(net), plan)
-    eager_out, eager_grads, _ = train_step(planned, x)
-    assert _breaks(planned, x) == 0
-    out, grads = _compiled_step(planned, x)
-    assert torch.equal(out, eager_out[0])
-    assert all(torch.equal(grads[n], g) for n, g in eager_grads.items())
+    _assert_compiles_bitwise(planned, x, planned)
