@@ -45,7 +45,9 @@ from torch.utils._pytree import tree_leaves
 from remat3d.instrument.flops import op_flops
 from remat3d.instrument.invocations import Invocation, InvocationRecorder
 from remat3d.instrument.ledger import StorageLedger, StorageRecord
+from remat3d.instrument.metacache import META_KERNELS
 from remat3d.instrument.state import current_placement, is_recomputing
+from remat3d.instrument.tensors import tensors_in
 
 __all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
 
@@ -131,6 +133,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_records: list[StorageRecord] = []
         self._time_ops = time_ops
         self._sync = self.device.startswith("cuda")
+        self._meta = self.device == "meta"
         self.invocations: InvocationRecorder | None = None
         if model is not None:
             self.invocations = InvocationRecorder(
@@ -244,7 +247,8 @@ class MemoryTracker(TorchDispatchMode):
             if self._sync:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-        out = func(*args, **kwargs)
+        # on meta, repeated functional ops skip their kernels (NOTE [ Meta kernel cache ])
+        out = META_KERNELS(func, args, kwargs) if self._meta else func(*args, **kwargs)
         if self._time_ops:
             if self._sync:
                 torch.cuda.synchronize()
@@ -252,14 +256,12 @@ class MemoryTracker(TorchDispatchMode):
             self.node_seconds[key] = self.node_seconds.get(key, 0.0) + time.perf_counter() - start
 
         where = self._host_or_none(args, kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and \
-                    self.ledger.add(t, "activation", node, phase, device=where) is None:
+        for t in tensors_in(out):
+            if self.ledger.add(t, "activation", node, phase, device=where) is None:
                 self.ledger.refresh(t)
         if func._schema.is_mutable:  # in-place / out= ops may have resized an argument
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor):
-                    self.ledger.refresh(t)
+            for t in tensors_in((args, kwargs)):
+                self.ledger.refresh(t)
 
         flops = op_flops(func, args, kwargs, out)
         if flops:
@@ -285,16 +287,13 @@ class MemoryTracker(TorchDispatchMode):
             return HOST if where == "host" else None
         if not self.ledger.live_bytes.get(HOST):  # no host tensor alive: the usual case
             return None
-        records = [self.ledger.lookup(t) for t in tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor)]
+        records = [self.ledger.lookup(t) for t in tensors_in((args, kwargs))]
         if records and all(r is not None and r.device == HOST for r in records):
             return HOST
         return None
 
     def _record_edges(self, node: int, args: tuple, kwargs: dict) -> None:
-        for t in tree_leaves((args, kwargs)):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in tensors_in((args, kwargs)):
             record = self.ledger.lookup(t)
             if record is None or record.category not in ("activation", "input"):
                 continue

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from remat3d.halo import (
     Region,
@@ -48,6 +48,7 @@ from remat3d.halo import (
     interpolate_input_interval,
     region_size,
 )
+from remat3d.instrument.tensors import tensors_in
 from remat3d.runtime.tiling.signatures import bind, func_name
 from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp
 
@@ -82,8 +83,8 @@ def crop(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
 
 
 def _mark(out: Any, region: Region) -> Any:
-    for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.dim() == 5:
+    for t in tensors_in(out):
+        if t.dim() == 5:
             setattr(t, REGION, region)
     return out
 
@@ -197,15 +198,13 @@ class TileMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        spatial = [t for t in tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor) and getattr(t, REGION, None) is not None]
-        if not spatial:
+        if not any(getattr(t, REGION, None) is not None for t in tensors_in((args, kwargs))):
             return func(*args, **kwargs)
         ops = self.trace.ops
         name = func_name(func)
         if self.index >= len(ops) or ops[self.index].name != name:
             out = func(*args, **kwargs)
-            if any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            if tensors_in(out):
                 expected = ops[self.index].name if self.index < len(ops) else "nothing"
                 raise TilingError(
                     f"A tile of the run called {name} where its trace called {expected} "
