@@ -22,6 +22,7 @@ class Measurement:
     ``peak_bytes`` is the tracker's peak of live tensor bytes on ``device``; ``flops``
     counts everything executed (forward, backward and any recomputation);
     ``seconds`` is the median wall time of uninstrumented steps (``None`` on meta).
+    ``peak_modules`` names where the peak was reached (innermost module first).
     ``host_bytes`` is the most host memory that host-resident tiled outputs held (NOTE
     [ Host-resident tiled outputs ]; 0 on the CPU, where host and device are one).
     """
@@ -37,6 +38,9 @@ class Measurement:
     seconds: float | None
     breakdown: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
+    # the module invocations running when the peak was reached, innermost first (empty:
+    # outside every module, or a graph plan's step)
+    peak_modules: tuple[str, ...] = ()
 
 
 def measure(
@@ -80,6 +84,7 @@ def measure(
             seconds=seconds,
             breakdown=tracker.peak_breakdown(),
             host_bytes=tracker.host_peak_bytes,
+            peak_modules=tracker.peak_modules(),
         )
     finally:
         tracker.close()

@@ -115,7 +115,8 @@ def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: st
     apply(copy_, plan_)
     with op_by_op_checks():
         m = measure(copy_, *examples, device="meta", amp=amp, loss_fn=loss_fn)
-    return Measured(m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes)
+    return Measured(m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes,
+                    m.peak_modules[0] if m.peak_modules else None)
 
 
 def plan(

@@ -143,6 +143,9 @@ class Plan:
     verified_peak_bytes: int | None = None
     # host memory the verified step held in host-resident tiled outputs (Region.host)
     verified_host_bytes: int | None = None
+    # the innermost module running when the verified step reached its peak (qualified
+    # name; None: outside every module, or not verified)
+    verified_peak_module: str | None = None
     recompute_flops: int | None = None
     # FLOPs of the verified planned step minus the unplanned step's: recomputation plus,
     # for tiled regions, their extra passes and halos

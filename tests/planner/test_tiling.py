@@ -209,3 +209,93 @@ def test_a_layout_is_passed_over_when_a_more_frugal_one_does_not_fit() -> None:
     assert chosen is not None and chosen.regions[0].tile == [8, 8, 8]
     assert not chosen.regions[0].host
     assert verified == [(8, "host"), (8, "device")]
+
+
+def test_a_layout_is_extended_by_the_stage_that_held_its_peak(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 7 on a real graph: the stage is found from the peak's
+    innermost module, tiled with the layout's tile scaled to its output and the layout's
+    fusion rules; nothing is added for a stage already tiled, one that cannot be tiled,
+    or a peak outside every stage."""
+    from remat3d.planner.tiling import extend_layout, stage_at
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    ok = [True] * len(names)
+    base = next(lay for lay in layouts(graph, stages, ok, tiles=(16,), host=True)
+                if lay.depth == 1 and lay.fuse == "host")
+    assert stage_at(graph, stages, "inner.1") == names.index("inner")  # a ReLU inside it
+    assert stage_at(graph, stages, "") is None and stage_at(graph, stages, None) is None
+    base = dataclasses.replace(base, tiled={s: v for s, v in base.tiled.items()
+                                            if names[s] != "down"})
+    grown = extend_layout(graph, stages, ok, base, "down.0")
+    assert grown is not None and grown.added == ("down",)
+    assert grown.tiled[names.index("down")][0] == (8, 8, 8)  # half resolution: half tile
+    assert grown.label.endswith("+ down, fuse host")
+    # the skip, now read by two tiled stages only, goes to the host like the layout's rule
+    assert grown.tiled[names.index("stem")][1] == "host"
+    assert extend_layout(graph, stages, ok, grown, "down.0") is None       # tiled already
+    assert extend_layout(graph, stages, [n != "down" for n in names], base, "down.0") is None
+    assert extend_layout(graph, stages, ok, base, "") is None              # outside stages
+
+
+def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
+    """Rule 7: a layout whose verified peak lay in a stage it does not tile gets that
+    stage tiled too, verified before any layout of the next group (more levels); the
+    repair goes on while the peak falls, and stops where it does not."""
+    from remat3d.planner.registry import PlannerOptions
+    from remat3d.planner.stages import Stage, StageModel
+    from remat3d.planner.tiled_plans import first_fitting_layout
+    from remat3d.planner.tiling import Layout
+    from remat3d.planspec import Plan
+
+    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
+                                for i in range(3)],
+                        base=0, glue_saved=[0, 0, 0], pending=[0, 0, 0],
+                        grads_after=[0, 0, 0])
+    tile = ((4, 4, 4), "device")
+
+    def lay(depth: int, tiled: set[int], added: tuple[str, ...] = ()) -> Layout:
+        return Layout(depth=depth, fuse="none", tile=4,
+                      tiled=dict.fromkeys(sorted(tiled), tile), added=added)
+
+    order = [lay(1, {0}), lay(2, {0, 1, 2})]
+    # tiled set -> (verified peak, the module running at it)
+    peaks = {(0,): (80, "s1.conv"), (0, 1): (45, "s2.conv"), (0, 1, 2): (30, "s0.conv")}
+    verified: list[tuple[int, ...]] = []
+
+    def check(plan: Plan) -> Plan:
+        key = tuple(int(r.module[1]) for r in plan.regions if r.decision == "tile")
+        verified.append(key)
+        plan.verified_peak_bytes, plan.verified_peak_module = peaks[key]
+        return plan
+
+    def extend(layout: Layout, module: str | None) -> Layout | None:
+        s = int(module[1]) if module else None
+        if s is None or s in layout.tiled:
+            return None
+        return lay(layout.depth, {*layout.tiled, s}, (*layout.added, f"s{s}"))
+
+    def choose(budget: int) -> Plan | None:
+        verified.clear()
+        chosen, _ = first_fitting_layout(order, stages, PlannerOptions(), None, budget,
+                                         lambda regions: Plan(regions=regions), check,
+                                         extend=extend)
+        return chosen
+
+    chosen = choose(50)  # {0} misses at 80 with its peak in s1: {0, 1} fits, before L2
+    assert chosen is not None and verified == [(0,), (0, 1)]
+    assert "levels < 1 + s1" in chosen.notes[0]
+    chosen = choose(40)  # {0, 1} misses too, lower, its peak in s2: {0, 1, 2}
+    assert chosen is not None and verified == [(0,), (0, 1), (0, 1, 2)]
+    assert "+ s1 + s2" in chosen.notes[0]
+    peaks[(0, 1)] = (85, "s2.conv")  # the repair did not lower the peak: no further
+    chosen = choose(40)
+    assert verified == [(0,), (0, 1), (0, 1, 2)]  # the last one is L2, by the order
+    assert chosen is not None and "+" not in chosen.notes[0]
+    assert choose(20) is None  # nothing fits: every layout and repair tried once
+    assert sorted(verified) == [(0,), (0, 1), (0, 1, 2)]
+    # without ``extend`` (the default), no repair
+    verified.clear()
+    first_fitting_layout(order, stages, PlannerOptions(), None, 50,
+                         lambda regions: Plan(regions=regions), check)
+    assert verified == [(0,), (0, 1, 2)]

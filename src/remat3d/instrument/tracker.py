@@ -192,6 +192,19 @@ class MemoryTracker(TorchDispatchMode):
             split[_CATEGORY_OF[record.category]] += record.nbytes
         return split
 
+    def peak_modules(self) -> tuple[str, ...]:
+        """The module invocations running at the peak, innermost first (qualified names;
+        empty: the peak is outside every module, or no model is recorded)."""
+        if self.peak_event is None or self.invocations is None:
+            return ()
+        node = self.timeline[self.peak_event].node
+        names = []
+        records = self.invocations.invocations
+        while node is not None:
+            names.append(records[node].name)
+            node = records[node].parent
+        return tuple(names)
+
     # -- hooks ------------------------------------------------------------------------
     def _enter(self, inv: Invocation) -> None:
         inv.timeline_start = len(self.timeline)

@@ -37,7 +37,7 @@ from remat3d.planner.tiled_plans import (
     greedy_prune,
     prune_tiled,
 )
-from remat3d.planner.tiling import layouts
+from remat3d.planner.tiling import extend_layout, layouts
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes, format_shape
 
@@ -53,6 +53,7 @@ class Measured(NamedTuple):
     recompute_flops: int
     flops: int        # every FLOP of the planned step (recomputation, tile passes, halos)
     host_bytes: int   # host memory of host-resident tiled outputs
+    peak_module: str | None = None  # the innermost module running at the peak
 
 
 Verifier = Callable[[Plan], Measured]
@@ -133,6 +134,7 @@ class _Search:
                 candidate.prefetch = True
         candidate.verified_peak_bytes, candidate.recompute_flops = m.peak_bytes, m.recompute_flops
         candidate.verified_host_bytes = m.host_bytes or None
+        candidate.verified_peak_module = m.peak_module
         candidate.extra_flops = m.flops - self.p.step_flops
         candidate.step_flops = self.p.step_flops
         return candidate
@@ -201,7 +203,9 @@ class _Search:
             tiled, tiled_smallest = first_fitting_layout(
                 layouts(self.p.graph, self.stages, ok, host=self.p.options.offload),
                 self.stages, self.p.options, self.p.header.host_budget_bytes, self.budget,
-                self.fresh, self.check)
+                self.fresh, self.check,
+                extend=lambda layout, module: extend_layout(self.p.graph, self.stages, ok,
+                                                            layout, module))
             smallest = min(smallest, tiled_smallest)
             if tiled is not None:
                 return prune_tiled(tiled, self.budget, self.stages, self.check)

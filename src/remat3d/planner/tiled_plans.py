@@ -72,10 +72,20 @@ def _stored(layout: Layout) -> int:
     return sum(out == TiledOutput.DEVICE for _, out in layout.tiled.values())
 
 
+def _key(layout: Layout) -> tuple:
+    return tuple(sorted(layout.tiled.items()))
+
+
+def _group(layout: Layout) -> tuple[bool, int]:
+    """Rule 5's groups in their order: levels without full fusion, then with it."""
+    return layout.fuse == "all", layout.depth
+
+
 def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                          options: PlannerOptions, host_budget: int | None, budget: int,
-                         fresh: Callable[[list[Region]], Plan], check: Check
-                         ) -> tuple[Plan | None, int]:
+                         fresh: Callable[[list[Region]], Plan], check: Check,
+                         extend: Callable[[Layout, str | None], Layout | None] | None = None,
+                         max_repairs: int = 3) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
     verified peak fits ``budget`` (and whose host memory fits ``host_budget``), and the
     smallest verified peak among those tried that fit the host budget.
@@ -84,21 +94,26 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     keeps what still fits); layouts whose verified peak exceeds the budget are passed
     over, and so is every layout that stores on the device all that one passed over
     stores there (rule 6): before a layout is verified, the one of its stages and tiles
-    that keeps the most in host memory is, once. ``fresh(regions)`` makes a plan with the
+    that keeps the most in host memory is, once. A layout whose peak lay in a stage it
+    does not tile is repaired (rule 7): ``extend(layout, peak_module)`` is it with that
+    stage tiled too, verified before the next group of layouts (up to ``max_repairs``
+    stages added, while the peak goes down). ``fresh(regions)`` makes a plan with the
     search's header fields."""
     ordered = list(candidates)
     smallest = 1 << 62
-    measured: dict[int, Plan | None] = {}   # candidate index -> verified plan (None: skipped)
-    failed: list[Layout] = []               # verified above the budget
+    measured: dict[tuple, Plan | None] = {}  # layout -> verified plan that fits, else None
+    over: dict[tuple, Plan] = {}             # layout -> its verified plan above the budget
+    failed: list[Layout] = []                # verified above the budget
+    pending: list[Layout] = []               # of those, the ones to repair (rule 7)
 
-    def verify(i: int) -> Plan | None:
-        if i in measured:
-            return measured[i]
+    def verify(layout: Layout) -> Plan | None:
+        key = _key(layout)
+        if key in measured:
+            return measured[key]
         nonlocal smallest
-        layout = ordered[i]
         candidate = fresh(layout_regions(stages, layout, options.recomputable))
         candidate.notes.append(f"tiling layout: {layout.label}")
-        measured[i] = None
+        measured[key] = None
         try:
             check(candidate)
         except TilingError as exc:  # an op the probe did not see (shape-dependent code)
@@ -106,22 +121,52 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
             return None
         peak = candidate.verified_peak_bytes or 0
         host = candidate.verified_host_bytes or 0
-        log.info("tiling layout %s: verified peak %s, host %s, extra %.3g FLOPs",
-                 layout.label, format_bytes(peak), format_bytes(host),
-                 candidate.extra_flops or 0)
+        log.info("tiling layout %s: verified peak %s (in %s), host %s, extra %.3g FLOPs",
+                 layout.label, format_bytes(peak), candidate.verified_peak_module or "-",
+                 format_bytes(host), candidate.extra_flops or 0)
         if host_budget is not None and host > host_budget:
             return None
         smallest = min(smallest, peak)
         if peak > budget:
             failed.append(layout)
+            over[key] = candidate
             return None
-        measured[i] = candidate
+        measured[key] = candidate
         return candidate
 
     def passed_over(layout: Layout) -> bool:
         return any(at_least_as_frugal(f, layout) for f in failed)
 
-    for i, layout in enumerate(ordered):
+    def repair(before: tuple[bool, int] | None) -> Plan | None:
+        """Rule 7 for the pending layouts of groups before ``before`` (None: all)."""
+        while pending and (before is None or _group(pending[0]) < before):
+            parent = pending.pop(0)
+            for _ in range(max_repairs):
+                assert extend is not None
+                child = extend(parent, over[_key(parent)].verified_peak_module)
+                if child is None or _key(child) in measured or passed_over(child):
+                    break
+                chosen = verify(child)
+                if chosen is not None:
+                    return chosen
+                below = over.get(_key(child))
+                if below is None or (below.verified_peak_bytes or 0) >= \
+                        (over[_key(parent)].verified_peak_bytes or 0):
+                    break
+                parent = child
+        return None
+
+    def tried(layout: Layout) -> Plan | None:
+        had = len(failed)
+        chosen = verify(layout)
+        if extend is not None:
+            pending.extend(f for f in failed[had:] if not f.added)
+        return chosen
+
+    for layout in ordered:
+        repaired = repair(_group(layout))
+        if repaired is not None:
+            return repaired, smallest
         if passed_over(layout):
             continue
         # the most frugal layout of the same stages and tiles (it fits, or none it
@@ -129,14 +174,14 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         frugal = min((j for j, other in enumerate(ordered)
                       if at_least_as_frugal(other, layout)),
                      key=lambda j: (_stored(ordered[j]), j))
-        if frugal != i:
-            verify(frugal)
+        if ordered[frugal] is not layout:
+            tried(ordered[frugal])
             if passed_over(layout):
                 continue
-        chosen = verify(i)
+        chosen = tried(layout)
         if chosen is not None:
             return chosen, smallest
-    return None, smallest
+    return repair(None), smallest
 
 
 def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Plan:

@@ -48,6 +48,13 @@ NOTE [ Tiling layouts ]
      ordered so: a fused output is recomputed inside its readers' tiles, which then hold
      more at a time, and at small volumes that peak is the higher one. The plan chosen is
      always one that was measured.
+  7. Repair: a layout verified above the budget with its peak inside a stage it does not
+     tile (the verifier names the module running at the peak) is tried again with that
+     stage tiled too, by rules 2 and 3 (``extend_layout``): a level-0 layout whose peak
+     moved into one half-resolution decoder stage needs that stage tiled, not every
+     level-1 stage. Repairs are verified after the layouts of their group (rule 5's
+     levels, fused or not) and before the next group's; a repaired layout that misses
+     again is repaired again while its peak falls, at most three stages added.
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ from remat3d.decisions import TiledOutput
 from remat3d.graph import CostGraph
 from remat3d.planner.stages import StageModel
 
-__all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "layouts", "stage_levels"]
+__all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "extend_layout", "layouts", "stage_at",
+           "stage_levels"]
 
 FUSE_MODES = ("none", "host", "chain", "chain+host", "all")  # rule 5's order in a level
 # where a tiled stage's output lives: stored on the device, fused into its readers, or
@@ -76,10 +84,12 @@ class Layout:
     fuse: str
     tile: int  # full-resolution tile edge
     tiled: dict[int, tuple[tuple[int, int, int], str]] = field(default_factory=dict)
+    added: tuple[str, ...] = ()  # stages tiled besides the levels' (rule 7), in order
 
     @property
     def label(self) -> str:
-        return f"tile {self.tile}, levels < {self.depth}, fuse {self.fuse}"
+        more = "".join(f" + {name}" for name in self.added)
+        return f"tile {self.tile}, levels < {self.depth}{more}, fuse {self.fuse}"
 
 
 def _volume(shape: list[int] | tuple[int, ...] | None) -> int:
@@ -139,6 +149,46 @@ def _edges(shape: list[int] | None) -> tuple[int, int, int] | None:
     return int(shape[2]), int(shape[3]), int(shape[4])
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What layouts are made of: each stage's level, readers and output edges."""
+
+    levels: list[int | None]
+    readers: list[set[int | None]]
+    full: list[tuple[int, int, int] | None]
+    top_edges: tuple[int, int, int]
+
+    def tiled(self, chosen: list[int], fuse: str, t: int
+              ) -> dict[int, tuple[tuple[int, int, int], str]]:
+        """Rules 2 and 3: the chosen stages' tiles and where their outputs live."""
+        tiled: dict[int, tuple[tuple[int, int, int], str]] = {}
+        for s in chosen:
+            edges = self.full[s]
+            assert edges is not None
+            size = tuple(max(1, min(e, round(t * e / top)))
+                         for e, top in zip(edges, self.top_edges))
+            rd = self.readers[s]
+            inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
+            output = TiledOutput.DEVICE
+            chain = fuse.startswith("chain") and len(rd) == 1
+            if inner and (fuse == "all" or chain):
+                output = TiledOutput.FUSED
+            elif inner and fuse.endswith("host"):
+                output = TiledOutput.HOST
+            tiled[s] = (size, output)  # type: ignore[assignment]
+        return tiled
+
+
+def _facts(graph: CostGraph, model: StageModel) -> _Facts | None:
+    levels = stage_levels(graph, model)
+    full = [_edges(graph.nodes[st.node].output_shape) for st in model.stages]
+    top_edges = max((e for e, lv in zip(full, levels) if e and lv == 0),
+                    key=lambda e: e[0] * e[1] * e[2], default=None)
+    if top_edges is None:
+        return None
+    return _Facts(levels, _readers(graph, model), full, top_edges)
+
+
 def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
             tiles: tuple[int, ...] | None = None, max_depth: int = 2,
             host: bool = False) -> list[Layout]:
@@ -149,15 +199,11 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
     and a quarter of the largest volume's shortest edge (at least 16). ``host``: also the
     layouts that keep tiled outputs in host memory (rule 3).
     """
-    levels = stage_levels(graph, model)
-    readers = _readers(graph, model)
-    full = [_edges(graph.nodes[st.node].output_shape) for st in model.stages]
-    top_edges = max((e for e, lv in zip(full, levels) if e and lv == 0),
-                    key=lambda e: e[0] * e[1] * e[2], default=None)
-    if top_edges is None:
+    facts = _facts(graph, model)
+    if facts is None:
         return []
     if tiles is None:
-        shortest = min(top_edges)
+        shortest = min(facts.top_edges)
         tiles = tuple(sorted({t for t in (shortest // 2, shortest // 4) if t >= 16},
                              reverse=True))
     out: list[Layout] = []
@@ -167,29 +213,43 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
              for fuse in FUSE_MODES if fuse != "all"]
     order += [(depth, "all") for depth in range(1, max_depth + 1)]
     for depth, fuse in order:
-        chosen = [s for s, lv in enumerate(levels)
-                  if lv is not None and lv < depth and tileable[s] and full[s] is not None]
+        chosen = [s for s, lv in enumerate(facts.levels)
+                  if lv is not None and lv < depth and tileable[s]
+                  and facts.full[s] is not None]
         if not chosen or ("host" in fuse and not host):
             continue
         for t in tiles:
-            tiled: dict[int, tuple[tuple[int, int, int], str]] = {}
-            for s in chosen:
-                edges = full[s]
-                assert edges is not None
-                size = tuple(max(1, min(e, round(t * e / top)))
-                             for e, top in zip(edges, top_edges))
-                rd = readers[s]
-                inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
-                output = TiledOutput.DEVICE
-                chain = fuse.startswith("chain") and len(rd) == 1
-                if inner and (fuse == "all" or chain):
-                    output = TiledOutput.FUSED
-                elif inner and fuse.endswith("host"):
-                    output = TiledOutput.HOST
-                tiled[s] = (size, output)  # type: ignore[assignment]
+            tiled = facts.tiled(chosen, fuse, t)
             key = tuple(sorted(tiled.items()))
             if key in seen:  # e.g. "chain" equal to "none" on this graph
                 continue
             seen.add(key)
             out.append(Layout(depth=depth, fuse=fuse, tile=t, tiled=tiled))
     return out
+
+
+def stage_at(graph: CostGraph, model: StageModel, module: str | None) -> int | None:
+    """The stage whose invocations include module ``module`` (a verified peak's), if any."""
+    if module is None:
+        return None
+    member = _stage_members(graph, model)
+    for k, node in enumerate(graph.nodes):
+        if node.name == module and k in member:
+            return member[k]
+    return None
+
+
+def extend_layout(graph: CostGraph, model: StageModel, tileable: list[bool],
+                  layout: Layout, peak_module: str | None) -> Layout | None:
+    """Rule 7: ``layout`` with the stage that held its verified peak tiled too (the same
+    tile, fusion mode and rules), or None when that stage is tiled already, cannot be
+    tiled, or the peak was outside every stage."""
+    s = stage_at(graph, model, peak_module)
+    facts = _facts(graph, model)
+    if s is None or facts is None or s in layout.tiled or not tileable[s] \
+            or facts.full[s] is None:
+        return None
+    chosen = sorted({*layout.tiled, s})
+    return Layout(depth=layout.depth, fuse=layout.fuse, tile=layout.tile,
+                  tiled=facts.tiled(chosen, layout.fuse, layout.tile),
+                  added=(*layout.added, model.stages[s].name))
