@@ -179,3 +179,54 @@ def test_bench_without_out_or_subcommand_says_what_to_give() -> None:
     result = runner.invoke(app, ["bench", "--suite", "tiny"])
     assert result.exit_code == 2
     assert "--out" in result.output and "tiling" in result.output
+
+
+def test_planning_shows_the_librarys_progress_and_leaves_logging_as_it_was():
+    """`remat3d plan` shows what the planner is doing (its INFO records, from the
+    `remat3d` logger) in the spinner while it works; afterwards, and after an error, the
+    logger has the handlers and level it had."""
+    import logging
+
+    import torch
+
+    import remat3d
+    from remat3d.cli.common import _StatusHandler, progress
+
+    updates: list[str] = []
+
+    class Status:
+        def update(self, text: str) -> None:
+            updates.append(text)
+
+    handler = _StatusHandler(Status(), "planning x")
+    handler.handle(logging.LogRecord("remat3d.planning", logging.INFO, __file__, 1,
+                                     "verifying a candidate plan on meta: %d regions", (3,),
+                                     None))
+    assert re.fullmatch(r"planning x · \d+ s · verifying a candidate plan on meta: 3 regions",
+                        updates[-1])
+
+    logger = logging.getLogger("remat3d")
+    before = (list(logger.handlers), logger.level)
+    with pytest.raises(RuntimeError), progress("planning y"):
+        assert logger.getEffectiveLevel() <= logging.INFO
+        raise RuntimeError("interrupted")
+    assert (list(logger.handlers), logger.level) == before
+
+    # what the planner says while it works: the unplanned step, the module search, each
+    # verified candidate
+    net = torch.nn.Sequential(*[torch.nn.Sequential(
+        torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.GroupNorm(2, 4),
+        torch.nn.Conv3d(4, 4, 1)) for _ in range(4)])
+    said: list[str] = []
+    listener = logging.Handler(logging.INFO)
+    listener.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(listener)
+    logger.setLevel(logging.INFO)
+    try:
+        remat3d.plan(net, (1, 4, 16, 16, 16), budget="0.6x", graph=False)
+    finally:
+        logger.removeHandler(listener)
+        logger.setLevel(before[1])
+    assert said[0] == "measuring the unplanned step on meta"
+    assert any(m.startswith("searching module plans") for m in said)
+    assert any(m.startswith("verifying a candidate plan on meta") for m in said)

@@ -39,6 +39,7 @@ from torch import nn
 
 from remat3d.capture.joint import capture
 from remat3d.capture.mincut import partitioner_choices
+from remat3d.decisions import Decision
 from remat3d.errors import (
     BudgetError,
     CaptureError,
@@ -111,6 +112,9 @@ def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: st
     """Replay the plan on a meta copy under the tracker (the search's verifier), every
     recomputation compared with its forward op by op: a region whose forward depends on
     more than its inputs fails here, named, instead of in training."""
+    tiled = sum(r.decision == Decision.TILE for r in plan_.regions)
+    logger.info("verifying a candidate plan on meta: %d regions%s", len(plan_.regions),
+                f", {tiled} tiled" if tiled else "")
     copy_ = meta_copy(model)
     apply(copy_, plan_)
     with op_by_op_checks():
@@ -191,6 +195,7 @@ def plan(
         _CACHE.move_to_end(key)
         return copy.deepcopy(_CACHE[key])  # the caller's own: editing it changes no cache
 
+    logger.info("measuring the unplanned step on meta")
     prof = profile(model, *examples, device="meta", amp=amp, loss_fn=loss_fn)
     budget_bytes = resolve_budget(budget, prof.peak_bytes)
     header = Plan(model=type(model).__name__, model_fingerprint=model_fingerprint(model),
@@ -200,6 +205,7 @@ def plan(
     fallback, graph_smallest = None, None
     # an unplanned step that fits needs no graph (a module plan of nothing)
     if chooses and (explicit or prof.peak_bytes > budget_bytes):
+        logger.info("capturing and planning the step's aten graph")
         try:
             chosen = _graph_plan(model, examples, header, prof.peak_bytes,
                                  prof.graph.forward_flops + prof.graph.backward_flops,
@@ -241,6 +247,8 @@ def plan(
                                                               if tile else [])]
     failures: list[InfeasibleBudgetError] = []
     for attempt, tiled in order:
+        logger.info("searching module plans%s%s", " with spans" if attempt.header.spans else "",
+                    ", tiling where nothing else fits" if tiled else "")
         try:
             chosen = attempt.search(budget_bytes, strategy, offload, verify, tiled)
             break

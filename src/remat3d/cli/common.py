@@ -6,8 +6,10 @@ The CLI owns the terminal: the library logs, the commands print (rich tables, pr
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any
@@ -18,7 +20,8 @@ from rich.markup import escape
 
 from remat3d.errors import Remat3dError
 
-__all__ = ["build", "console", "err_console", "quiet_native_stdout", "user_errors"]
+__all__ = ["build", "console", "err_console", "progress", "quiet_native_stdout",
+           "user_errors"]
 
 console = Console()
 err_console = Console(stderr=True)
@@ -65,6 +68,43 @@ def quiet_native_stdout() -> Iterator[None]:
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+class _StatusHandler(logging.Handler):
+    """The library's INFO records as the spinner's text: what it is doing, and since when."""
+
+    def __init__(self, status: Any, title: str) -> None:
+        super().__init__(logging.INFO)
+        self.status, self.title, self.start = status, title, time.monotonic()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = (record.getMessage().splitlines() or [""])[0]
+        except (TypeError, ValueError):  # a record that cannot be formatted is no progress
+            return
+        width = max(20, console.width - len(self.title) - 16)
+        if len(message) > width:
+            message = message[:width - 1] + "…"
+        elapsed = time.monotonic() - self.start
+        self.status.update(f"{self.title} · {elapsed:.0f} s · {escape(message)}")
+
+
+@contextlib.contextmanager
+def progress(title: str) -> Iterator[None]:
+    """A spinner titled ``title`` that shows the library's progress (its INFO log records,
+    from the ``remat3d`` logger) while the block runs; the logger is as it was after."""
+    logger = logging.getLogger("remat3d")
+    with console.status(title, spinner="dots") as status:
+        handler = _StatusHandler(status, title)
+        level = logger.level
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
 
 
 def build(model: str, input: str | None, model_kwargs: str | None) -> tuple[Any, tuple]:

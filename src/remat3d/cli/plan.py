@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from remat3d.cli.common import build, console, quiet_native_stdout
+from remat3d.cli.common import build, console, progress, quiet_native_stdout
 from remat3d.errors import Remat3dError
 from remat3d.units import format_shape, parse_amp
 
@@ -58,8 +58,8 @@ def plan_command(
     net, shape = build(model, input, model_kwargs)
     amp_ = parse_amp(amp)
     # stdout is the JSON alone with --json; otherwise a spinner writes there
-    status = console.status(f"planning {model} at {format_shape(shape)}",
-                            spinner="dots") if not json_out else quiet_native_stdout()
+    status = progress(f"planning {model} at {format_shape(shape)}") if not json_out \
+        else quiet_native_stdout()
     with status:
         base = profile(net, shape, amp=amp_)
         result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
