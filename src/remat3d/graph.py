@@ -108,6 +108,17 @@ class CostGraph:
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes if n.is_leaf]
 
+    def compute_layers(self) -> list[int]:
+        """Per invocation, how many compute layers (invocations whose own ops have FLOPs)
+        it holds, itself included."""
+        layers = [0] * len(self.nodes)
+        for n in reversed(self.nodes):
+            if n.self_fwd_flops:
+                layers[n.id] += 1
+            if n.parent is not None:
+                layers[n.parent] += layers[n.id]
+        return layers
+
     def blocks(self) -> list[Node]:
         """The network's blocks: what "checkpoint every block" means in MONAI/HF/timm.
 
@@ -118,12 +129,7 @@ class CostGraph:
         most one unit (a decoder ``UnetUpBlock``: transposed conv + concatenation + unit)
         and two or more compute layers.
         """
-        layers = [0] * len(self.nodes)
-        for n in reversed(self.nodes):
-            if n.self_fwd_flops:
-                layers[n.id] += 1
-            if n.parent is not None:
-                layers[n.parent] += layers[n.id]
+        layers = self.compute_layers()
         units = [0] * len(self.nodes)
         for n in reversed(self.nodes):
             if layers[n.id] >= 2 and all(layers[c] < 2 for c in n.children):

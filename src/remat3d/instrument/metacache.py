@@ -9,7 +9,7 @@ NOTE [ Meta kernel cache ]
   a function of its arguments' metadata and its other arguments. ``MetaKernelCache``
   remembers that function: the first call runs the kernel and records its outputs'
   metadata; a later call with the same key makes fresh outputs with
-  ``torch.empty_strided`` and skips the kernel. (FakeTensorMode's dispatch cache is the
+  ``aten.empty_strided`` and skips the kernel. (FakeTensorMode's dispatch cache is the
   same idea for fake tensors; its bypass rules are the model for these.)
   An op is answered from the cache only when all of these hold, else its kernel runs:
   1. its schema mutates nothing and no return aliases an argument (no views, no
@@ -41,6 +41,9 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
           torch.memory_format)
 _BYPASS_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.data_dependent_output,
                 torch.Tag.dynamic_output_shape, torch.Tag.inplace_view)
+
+_EMPTY = torch.ops.aten.empty_strided.default
+_META = torch.device("meta")
 
 _Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None
 
@@ -124,8 +127,8 @@ class MetaKernelCache:
         if hit is not None:
             self.hits += 1
             kind, specs = hit
-            outs = [None if s is None else torch.empty_strided(s[0], s[1], dtype=s[2],
-                                                               device="meta")
+            # the aten op itself: no torch-function mode (autocast, tiling) sees it
+            outs = [None if s is None else _EMPTY(s[0], s[1], dtype=s[2], device=_META)
                     for s in specs]
             return outs[0] if kind is torch.Tensor else kind(outs)
         self.misses += 1

@@ -130,10 +130,19 @@ def build_stages(graph: CostGraph) -> StageModel:
             inside[k] = b.id
     heads = [b.id for b in blocks]
     block_ids = set(heads)
+    layers = graph.compute_layers()
     for n in graph.nodes:
         if n.is_leaf and n.self_fwd_flops and n.id not in inside:
-            heads.append(n.id)
-            inside[n.id] = n.id
+            # a loose compute layer's stage is the largest invocation around it that holds
+            # no other compute layer (a conv-norm-act unit: its norm and activation are
+            # the stage's, not glue), the model itself excepted
+            top = n
+            while top.parent is not None and graph.nodes[top.parent].parent is not None \
+                    and layers[top.parent] == 1 and top.parent not in inside:
+                top = graph.nodes[top.parent]
+            heads.append(top.id)
+            for k in _subtree(graph, top):
+                inside[k] = top.id
     heads.sort()
     position = {h: i for i, h in enumerate(heads)}
 
