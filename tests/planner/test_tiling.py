@@ -299,3 +299,39 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     first_fitting_layout(order, stages, PlannerOptions(), None, 50,
                          lambda regions: Plan(regions=regions), check)
     assert verified == [(0,), (0, 1, 2)]
+
+
+class _Stemmed(torch.nn.Module):
+    """A single-conv stem unit (conv, norm, activation in their own modules, as nnU-Net's
+    ``StackedConvBlocks`` of one ``ConvDropoutNormReLU`` writes it) before a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        unit = torch.nn.Module()
+        unit.conv = torch.nn.Conv3d(1, 4, 3, padding=1)
+        unit.all_modules = torch.nn.Sequential(unit.conv, torch.nn.InstanceNorm3d(4, affine=True),
+                                               torch.nn.LeakyReLU(inplace=True))
+        self.stem = torch.nn.Sequential(unit.all_modules)
+        self.block = torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.ReLU(),
+                                         torch.nn.Conv3d(4, 4, 1))
+        self.out = torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.ReLU(),
+                                       torch.nn.Conv3d(4, 2, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.stem(x)))
+
+
+def test_a_single_conv_unit_is_one_stage_with_its_norm_and_activation() -> None:
+    """A compute layer outside every block is staged with the largest module around it
+    holding no other compute layer: its norm and activation belong to the stage (a
+    region can recompute or tile them), not to glue that every plan keeps. (ResEnc-L's
+    full-resolution stem: conv-only, its 512³ norm and activation were glue and no
+    layout went below 49.76 GiB.)"""
+    net = _Stemmed()
+    stages = build_stages(profile(net, SHAPE, device="meta").graph)
+    assert [s.name for s in stages.stages] == ["stem", "block", "out"]
+    # the stem's norm output (fp32, 4 channels) is the stage's saved tensor, not glue's
+    assert stages.glue_saved == [0, 0, 0]
+    assert stages.stages[0].saved_bytes >= 4 * 32**3 * 4
+    plan = remat3d.plan(net, SHAPE, budget="0.6x")
+    assert "stem" in [r.module for r in plan.regions]

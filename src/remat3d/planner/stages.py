@@ -3,8 +3,11 @@
 Pure Python over a :class:`~remat3d.graph.CostGraph` (no torch).
 
 A *stage* is a unit the planner makes a decision for: one of the graph's blocks, or a
-compute leaf outside every block. What runs outside stages (a container's own ops such as
-a concatenation) is *glue*: always kept. Stages are in forward order.
+compute layer outside every block with the largest invocation around it that holds no
+other compute layer (a single-conv ``ConvDropoutNormReLU`` unit: conv, norm and
+activation, so a region can recompute or tile them all). What runs outside stages (a
+container's own ops such as a concatenation) is *glue*: always kept. Stages are in
+forward order.
 
 NOTE [ The memory model ]
   For a decision d_s per stage (keep / recompute / offload), with S_s(d) the bytes stage s
