@@ -112,9 +112,6 @@ class MetaKernelCache:
         self.hits = 0
         self.misses = 0
 
-    def clear(self) -> None:
-        self._table.clear()
-
     def __len__(self) -> int:
         return len(self._table)
 

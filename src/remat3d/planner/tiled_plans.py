@@ -141,9 +141,10 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         """Rule 7 for the pending layouts of groups before ``before`` (None: all)."""
         while pending and (before is None or _group(pending[0]) < before):
             parent = pending.pop(0)
+            missed = over[_key(parent)]  # the parent's verified plan, above the budget
             for _ in range(max_repairs):
                 assert extend is not None
-                child = extend(parent, over[_key(parent)].verified_peak_module)
+                child = extend(parent, missed.verified_peak_module)
                 if child is None or _key(child) in measured or passed_over(child):
                     break
                 chosen = verify(child)
@@ -151,9 +152,9 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                     return chosen
                 below = over.get(_key(child))
                 if below is None or (below.verified_peak_bytes or 0) >= \
-                        (over[_key(parent)].verified_peak_bytes or 0):
+                        (missed.verified_peak_bytes or 0):
                     break
-                parent = child
+                parent, missed = child, below
         return None
 
     def tried(layout: Layout) -> Plan | None:
