@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.capture.joint import capture
+from remat3d.capture.joint import Captured, capture
 from remat3d.capture.mincut import partitioner_choices
 from remat3d.decisions import Decision
 from remat3d.errors import (
@@ -51,6 +51,7 @@ from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.measurement import measure
 from remat3d.planner.graph_search import search_graph
+from remat3d.planner.liveness import recompute_floor
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.searching import Measured, Problem, search
 from remat3d.planner.stages import StageModel, build_stages
@@ -68,6 +69,9 @@ __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 _CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _CACHE_SIZE = 64
 _ROUNDS = 8
+# a graph plan's measured peak is its simulated one within 3 % (NOTE [ Simulating the
+# partitioned step ]); the recompute floor bounds the simulated one
+_FLOOR_SLACK = 0.03
 _GRAPH_CHOOSERS = ("optimal", "auto")  # NOTE [ Which plan optimal chooses ]
 logger = logging.getLogger(__name__)
 
@@ -202,14 +206,25 @@ def plan(
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes)
 
-    fallback, graph_smallest = None, None
+    fallback, graph_smallest, below_floor = None, None, None
+    step_flops = prof.graph.forward_flops + prof.graph.backward_flops
     # an unplanned step that fits needs no graph (a module plan of nothing)
     if chooses and (explicit or prof.peak_bytes > budget_bytes):
-        logger.info("capturing and planning the step's aten graph")
+        logger.info("capturing the step's aten graph")
         try:
-            chosen = _graph_plan(model, examples, header, prof.peak_bytes,
-                                 prof.graph.forward_flops + prof.graph.backward_flops,
-                                 strategy="graph" if explicit else strategy)
+            captured = capture(model, *examples, amp=amp_dtype(header.amp))
+            floor = recompute_floor(captured.graph)
+            if not explicit and floor.bytes * (1 - _FLOOR_SLACK) > budget_bytes:
+                # no recompute set can fit: the search and its measurement are skipped
+                below_floor = captured
+                fallback = (f"no graph plan fits {format_bytes(budget_bytes)} (every "
+                            f"recompute set holds {format_bytes(floor.bytes)} or more, at "
+                            f"{floor.node}): a module plan")
+                logger.info("%s", fallback)
+            else:
+                logger.info("searching graph plans (%d ops)", len(captured.graph.nodes))
+                chosen = _graph_plan(model, examples, header, captured, prof.peak_bytes,
+                                     step_flops, strategy="graph" if explicit else strategy)
         except CaptureError as exc:  # one clear message, and the module plan instead
             fallback = f"{exc} Planned its modules instead (a module plan)."
             if explicit:
@@ -226,7 +241,8 @@ def plan(
             fallback = (f"no graph plan fits {format_bytes(budget_bytes)} (the smallest "
                         f"reaches {format_bytes(graph_smallest)}): a module plan")
         else:
-            return _cached(key, chosen)
+            if below_floor is None:
+                return _cached(key, chosen)
     # the modules as they are first, then with the parents' own ops between their
     # children as regions (runtime/spans.py: a span is coarser than its children, so it
     # is for the budgets they cannot reach); tiling only where no plan of keep /
@@ -256,6 +272,12 @@ def plan(
             failures.append(exc)
     else:
         lowest = min(failures, key=lambda e: e.smallest_feasible_bytes)
+        if below_floor is not None:  # the graph's smallest, for the message only
+            try:
+                _graph_plan(model, examples, header, below_floor, prof.peak_bytes,
+                            step_flops, strategy=strategy)
+            except InfeasibleBudgetError as exc:
+                graph_smallest = exc.smallest_feasible_bytes
         if graph_smallest is None or graph_smallest >= lowest.smallest_feasible_bytes:
             raise lowest
         raise InfeasibleBudgetError(  # a graph plan goes lower than any module plan
@@ -328,13 +350,13 @@ def _graph_options(*, offload: bool, loss_fn: Callable[[Any], torch.Tensor] | No
 
 
 def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
-                unplanned_peak: int, step_flops: int, strategy: str) -> Plan:
+                captured: Captured, unplanned_peak: int, step_flops: int,
+                strategy: str) -> Plan:
     """A graph plan (``graph=True``): the step captured as one aten graph, the search on
     its exact liveness (``planner/graph_search.py``), the choice measured under the
     tracker on fake tensors; a measured peak above the budget tightens the search's
     target by the excess (the loss outside the graph is not in the model), at most
     ``_ROUNDS`` times."""
-    captured = capture(model, *examples, amp=amp_dtype(header.amp))
     graph = captured.graph
     budget = header.budget_bytes
     assert budget is not None

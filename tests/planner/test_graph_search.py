@@ -7,7 +7,7 @@ import torch
 
 from remat3d.capture.joint import capture
 from remat3d.planner.graph_search import search_graph
-from remat3d.planner.liveness import closed_recompute, simulate
+from remat3d.planner.liveness import closed_recompute, recompute_floor, simulate
 from remat3d.runtime.graph_run import measure_graph_plan
 from tests.capture.nets import ParentConcat
 
@@ -55,6 +55,26 @@ def test_an_infeasible_budget_returns_the_smallest_peak_found(captured):
     choice = search_graph(graph, weights)  # below what parameters alone take
     assert not choice.fits
     assert choice.liveness.peak_bytes < simulate(graph).peak_bytes
+
+
+def test_no_plan_goes_below_the_recompute_floor(captured):
+    # the floor is a bound on every recompute set: below the greedy's smallest peak,
+    # below what that plan measures, and below plans of random recompute sets
+    model, shape, graph = captured
+    floor = recompute_floor(graph).bytes
+    smallest = search_graph(graph, 0)
+    measured = measure_graph_plan(model, (shape,), smallest.recompute,
+                                  twice=smallest.twice).peak_bytes
+    assert floor <= smallest.liveness.peak_bytes and floor <= measured
+    names = [n.name for n in graph.forward]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        picked = [n for n, keep in zip(names, torch.rand(len(names), generator=generator))
+                  if keep < 0.5]
+        chosen = closed_recompute(graph, picked)
+        assert floor <= simulate(graph, chosen, twice=chosen).peak_bytes
+    # and not a trivial bound: above what the inputs and outputs alone take
+    assert floor > sum(n.bytes for n in graph.nodes if n.phase == "input")
 
 
 def test_a_later_search_walks_the_path_and_chooses_what_a_fresh_one_does(captured):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 from remat3d.opgraph import OpGraph, OpNode
-from remat3d.planner.liveness import closed_recompute, simulate
+from remat3d.planner.liveness import closed_recompute, recompute_floor, simulate
 
 KB = 1024
 
@@ -112,3 +114,31 @@ def test_recomputing_twice_frees_the_skip_across_the_middle():
     assert twice.recomputed.count("s") == 2 and once.recomputed.count("s") == 1
     # a node recomputed twice must be recomputed: twice alone changes nothing
     assert simulate(graph, [], twice=["s"]).peak_bytes == simulate(graph).peak_bytes
+
+
+def _every_plan(graph: OpGraph):
+    """Every recompute set of the graph's forward nodes, each with every twice set."""
+    names = [n.name for n in graph.forward if n.op != "getitem" and n.base is None]
+    for k in range(len(names) + 1):
+        for chosen in itertools.combinations(names, k):
+            for j in range(len(chosen) + 1):
+                for twice in itertools.combinations(chosen, j):
+                    yield set(chosen), set(twice)
+
+
+def test_the_recompute_floor_is_at_or_below_every_plans_peak():
+    for graph in (chain(), skip()):
+        floor = recompute_floor(graph)
+        peaks = [simulate(graph, chosen, twice=twice).peak_bytes
+                 for chosen, twice in _every_plan(graph)]
+        assert floor.bytes <= min(peaks), graph.model
+    # the chain's floor is the backward's peak saving everything: at threshold's backward
+    # its saved input b, its output, the conv's input gradient and weight gradient live
+    # beside the inputs and the output whatever is recomputed
+    floor = recompute_floor(chain())
+    assert floor.node == "tb"
+    assert floor.bytes == simulate(chain()).backward_peak_bytes == (
+        (KB + 10 + 2 * KB) + 3 * 4 * KB + 10)
+    # the skip network's at the backward's middle: `big` beside `m` it is made from
+    floor = recompute_floor(skip())
+    assert (floor.node, floor.bytes) == ("big", (KB + 10 + KB) + 16 * KB + 9 * KB)

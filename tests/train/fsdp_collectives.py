@@ -45,6 +45,8 @@ if __name__ == "__main__":
         print(json.dumps({"plain": plain, "planned": planned, "regions": regions}))
     # every rank done with every collective before the group goes: torn down while the
     # other rank's gloo thread still ran, rank 0 aborted ("terminate called without an
-    # active exception") on a loaded machine
+    # active exception") on a loaded machine. (FSDP2 keeps the process group object alive
+    # past destroy_process_group, with no Python referrer, to the interpreter's exit;
+    # destroy_process_group shuts its gloo backend down, so nothing may still be in flight.)
     dist.barrier()
     dist.destroy_process_group()

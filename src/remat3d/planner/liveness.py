@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from remat3d.opgraph import OpGraph, OpNode
 
-__all__ = ["AGAIN", "Liveness", "closed_recompute", "late_copies", "simulate"]
+__all__ = ["AGAIN", "Floor", "Liveness", "closed_recompute", "late_copies", "recompute_floor",
+           "simulate"]
 
 AGAIN = "__again"  # the suffix of a second recomputation's name (NOTE rule 4)
 
@@ -306,3 +307,63 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
             (forward_live if forward_peak > memory.peak else memory.peak_live))),
         saved=sorted(saved_storage),
     )
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A lower bound on the peak of every graph plan (:func:`recompute_floor`)."""
+
+    bytes: int
+    node: str  # the backward op at which it is reached
+
+
+def recompute_floor(graph: OpGraph) -> Floor:
+    """A lower bound on the peak of the step under *any* recompute set, read without
+    simulating one (NOTE [ The recompute floor ]).
+
+    NOTE [ The recompute floor ]
+      Recomputation changes which forward tensors live in backward, never the backward's
+      own: its ops run in the graph's order, each once. So at each backward op these are
+      alive whatever is recomputed (NOTE [ Simulating the partitioned step ] rules 2-3):
+      the inputs, the forward's outputs (held by the caller), the backward's tensors made
+      so far and read at this op or later (gradients: to the step's end), the tangent
+      while it is read, the op's own outputs and transient bytes, and the storages of its
+      forward inputs, saved or recomputed: a recomputed one is made again before it. The
+      largest such sum over the backward is the floor. It is below or at the simulated
+      peak of every recompute set (``tests/planner/test_liveness.py``), so a budget under
+      it needs tiling or offload, and the graph search can be skipped."""
+    storage = graph.storage
+    always = {n.name: n.bytes for n in graph.nodes if n.phase == "input" and n.base is None}
+    for name in graph.outputs:
+        node = graph[storage(name)]
+        always[node.name] = node.bytes
+    fixed = sum(always.values())
+    backward = [n for n in graph.nodes if n.phase in ("tangent", "backward")]
+    index = {n.name: i for i, n in enumerate(backward)}
+    # each backward storage's last reader among the backward ops (gradients: the end)
+    last: dict[str, int] = {}
+    for i, node in enumerate(backward):
+        for name in node.inputs:
+            root = storage(name)
+            if root in index:
+                last[root] = max(last.get(root, i), i)
+    end = len(backward)
+    for name in graph.gradients:
+        if storage(name) in index:
+            last[storage(name)] = end
+    floor, at = fixed, ""
+    live: dict[str, int] = {}  # backward storages made and still to be read
+    for i, node in enumerate(backward):
+        if node.op == "getitem":  # made by the op it picks from (rule 3)
+            continue
+        for made in (node, *graph.picks(node.name)):
+            if made.base is None and made.bytes:
+                live[made.name] = made.bytes
+        forward = {storage(n) for n in node.inputs} - set(index) - set(always)
+        total = (fixed + sum(live.values()) + node.transient_bytes
+                 + sum(graph[f].bytes for f in forward))
+        if total > floor:
+            floor, at = total, node.name
+        for name in [n for n in live if last.get(n, index[n]) <= i]:
+            del live[name]
+    return Floor(floor, at)
