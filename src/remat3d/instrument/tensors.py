@@ -23,9 +23,18 @@ def tensors_in(value: Any, found: list[torch.Tensor] | None = None) -> list[torc
     if isinstance(value, torch.Tensor):
         found.append(value)
     elif isinstance(value, (list, tuple)):
-        for v in value:
-            tensors_in(v, found)
+        _walk(value, found)
     elif isinstance(value, dict):
-        for v in value.values():
-            tensors_in(v, found)
+        _walk(value.values(), found)
     return found
+
+
+def _walk(values: Any, found: list[torch.Tensor]) -> None:
+    # the elements are looked at here, not in a call each: most are the ints of shapes
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            _walk(v, found)
+        elif isinstance(v, dict):
+            _walk(v.values(), found)
