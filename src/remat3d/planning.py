@@ -14,7 +14,10 @@ NOTE [ Which plan optimal chooses ]
      it does not ask for it, so a graph plan that fits without it is taken.
   2. No graph plan fits (the greedy's smallest peak is above the budget): the module search
      runs with all it has (offload, rebuild, tiling), and the plan's notes say how low the
-     graph went. Neither fits: the error names the lower of the two smallest peaks.
+     graph went. Neither fits: the error names the lower of the two smallest peaks. A
+     budget below the graph's recompute floor (``planner/liveness.py``, NOTE [ The
+     recompute floor ], less ``_FLOOR_SLACK``) skips the graph search: the notes give the
+     floor, and the search runs only for the error's smallest peak, if the modules fail.
   3. A step that cannot be traced as one graph (``CaptureError``) is planned by its modules;
      the reason is logged and in the plan's notes (``graph=True`` warns with it).
   4. ``graph=False`` is module plans only (what a hand-written plan, the trainer's planning
