@@ -14,6 +14,9 @@ from remat3d.runtime.graph_run import graph_plan_of, measure_applied_graph_plan
 
 __all__ = ["Measurement", "measure"]
 
+# repeated tiles on meta booked, not run (NOTE [ Repeats on meta ]); tests compare with it off
+_REPLAYS = True
+
 
 @dataclass
 class Measurement:
@@ -70,7 +73,7 @@ def measure(
         return _graph_step(model, inputs, amp, loss_fn)
     setup = prepare_step(model, inputs, device, amp, loss_fn)
     seconds = time_step(setup, repeats) if setup.device != "meta" else None
-    tracker = run_step(setup)
+    tracker = run_step(setup, replays=_REPLAYS)  # NOTE [ Repeats on meta ]
     try:
         return Measurement(
             device=setup.device,

@@ -264,9 +264,11 @@ def tracked_forward_backward(setup: StepSetup, tracker: MemoryTracker) -> None:
         del output, loss
 
 
-def run_step(setup: StepSetup, *, time_ops: bool = False) -> MemoryTracker:
-    """Run one instrumented training step; return the tracker holding what it saw."""
-    tracker = MemoryTracker(setup.device, setup.model, time_ops=time_ops)
+def run_step(setup: StepSetup, *, time_ops: bool = False,
+             replays: bool = False) -> MemoryTracker:
+    """Run one instrumented training step; return the tracker holding what it saw
+    (``replays``: repeated tiles on meta booked, not run, NOTE [ Repeats on meta ])."""
+    tracker = MemoryTracker(setup.device, setup.model, time_ops=time_ops, replays=replays)
     with preserved_state(setup):
         for p in setup.model.parameters():
             p.grad = None

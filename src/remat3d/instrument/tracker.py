@@ -18,6 +18,29 @@ made under ``placement("host")``, and the results of ops that read only host ten
 (autograd summing two host gradients), unless made under ``placement("device")``.
 :attr:`MemoryTracker.host_peak_bytes` is their high-water mark.
 
+NOTE [ Repeats on meta ]
+  A tiled run on meta runs the same ops on tiles of the same shapes over and over (a 512³
+  volume in 128³ tiles: 64 tiles a pass, 27 shapes). On meta an op's effect on the
+  tracker is a function of shapes alone, so a tile whose shapes were seen in the same
+  pass need not run:
+  1. The caller (``runtime/tiling/tiled.py``) names a piece of work by everything its ops
+     depend on (each node's region sizes and which volume borders it touches) and
+     brackets its first run with :meth:`MemoryTracker.begin_repeat` / ``end_repeat``.
+  2. A run that ends with the live bytes it started with (device and host) is a
+     :class:`Repeat`: its FLOPs per invocation and phase, its timeline relative to its
+     start. One that allocated or freed for good (a first tile making an accumulator)
+     is not; the next tile of that shape is recorded instead.
+  3. :meth:`MemoryTracker.replay` books a repeat again only where the live bytes now are
+     at or below where it started, on the device and the host: its high-water mark then
+     stays at or below the recorded one, which the peak already holds, so peaks and their
+     breakdown cannot change. FLOPs and the timeline are added as if it ran.
+  4. Only trackers made with ``replays=True`` (``measure()`` on meta: what plans are
+     verified with) replay; ``profile()`` does not (a replayed tile makes no invocation
+     records or edges). The caller still runs every tile whose side effects matter (the
+     last tile of a pass: buffers, counters).
+  Equal peaks, FLOPs and timelines with and without replay are tested on tiled plans
+  (``tests/tiling/test_repeats.py``).
+
 What it cannot see: scratch memory a kernel allocates and frees inside one op (cuDNN/oneDNN
 workspaces, im2col buffers). That is a property of the kernel library, not of the model or
 the plan; ``reference.py`` measures it separately on CPU.
@@ -39,7 +62,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from remat3d.instrument.flops import op_flops
@@ -49,7 +72,8 @@ from remat3d.instrument.metacache import META_KERNELS
 from remat3d.instrument.state import current_placement, is_recomputing
 from remat3d.instrument.tensors import tensors_in
 
-__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "TimelineEvent"]
+__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "Repeat", "TimelineEvent",
+           "replaying_tracker"]
 
 HOST = "cpu"  # where host-resident tensors of a meta step are booked
 
@@ -89,6 +113,25 @@ class EdgeRecord:
     shape: tuple[int, ...]
 
 
+@dataclass
+class Repeat:
+    """What one run of a repeatable piece of a meta step did (NOTE [ Repeats on meta ]):
+    the live bytes it started and ended at, its FLOPs, and its timeline, relative."""
+
+    live: int
+    host: int
+    flops: list[tuple[tuple[int | None, str], int]]  # ((node, phase), flops) per op
+    events: list[TimelineEvent]  # live bytes relative to ``live``
+
+
+def replaying_tracker() -> MemoryTracker | None:
+    """The innermost active tracker that replays repeats (``replays=True``), if any."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryTracker):
+            return mode if mode.replays else None
+    return None
+
+
 def normalize_device(device: str | torch.device) -> str:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -115,8 +158,14 @@ class MemoryTracker(TorchDispatchMode):
         model: nn.Module | None = None,
         *,
         time_ops: bool = False,
+        replays: bool = False,
     ) -> None:
         super().__init__()
+        # NOTE [ Repeats on meta ]: only on meta, and only when what is read afterwards
+        # is peaks, FLOPs and the timeline (measure(), not profile(): a skipped repeat
+        # makes no invocation records or edges)
+        self.replays = replays and normalize_device(device) == "meta"
+        self._journals: list[list[tuple[tuple[int | None, str], int]]] = []
         self.device = normalize_device(device)
         self.ledger = StorageLedger()
         self.timeline: list[TimelineEvent] = []
@@ -205,6 +254,45 @@ class MemoryTracker(TorchDispatchMode):
             node = records[node].parent
         return tuple(names)
 
+    # -- repeats (NOTE [ Repeats on meta ]) -------------------------------------------
+    def begin_repeat(self) -> tuple[int, int, int, list[tuple[tuple[int | None, str], int]]]:
+        """Start recording a piece of work that may repeat (hand the result to
+        :meth:`end_repeat`)."""
+        journal: list[tuple[tuple[int | None, str], int]] = []
+        self._journals.append(journal)
+        return self.live(), self.ledger.live_bytes.get(HOST, 0), len(self.timeline), journal
+
+    def end_repeat(self, start: tuple[int, int, int, list[tuple[tuple[int | None, str], int]]]
+                   ) -> Repeat | None:
+        """What the piece begun at ``start`` did, or None where it cannot be replayed: it
+        left memory allocated or freed (the next run would start elsewhere)."""
+        live, host, first, journal = start
+        self._journals.remove(journal)
+        if self.live() != live or self.ledger.live_bytes.get(HOST, 0) != host:
+            return None
+        events = [TimelineEvent(e.op, e.node, e.phase, e.live_before - live,
+                                e.live_after - live) for e in self.timeline[first:]]
+        return Repeat(live, host, journal, events)
+
+    def replay(self, repeat: Repeat) -> bool:
+        """Book ``repeat`` again without running it, where that is exact: live bytes now
+        at or below where it started, on the device and the host, so it cannot raise a
+        peak; its FLOPs and timeline are added. False: run it."""
+        live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
+        if live > repeat.live or host > repeat.host:
+            return False
+        for key, flops in repeat.flops:
+            self._add_flops(key, flops)
+        self.timeline.extend(TimelineEvent(e.op, e.node, e.phase, e.live_before + live,
+                                           e.live_after + live) for e in repeat.events)
+        return True
+
+    def _add_flops(self, key: tuple[int | None, str], flops: int) -> None:
+        self.flops[key[1]] += flops
+        self.node_flops[key] = self.node_flops.get(key, 0) + flops
+        for journal in self._journals:
+            journal.append((key, flops))
+
     # -- hooks ------------------------------------------------------------------------
     def _enter(self, inv: Invocation) -> None:
         inv.timeline_start = len(self.timeline)
@@ -278,9 +366,7 @@ class MemoryTracker(TorchDispatchMode):
 
         flops = op_flops(func, args, kwargs, out)
         if flops:
-            self.flops[phase] += flops
-            key = (node, phase)
-            self.node_flops[key] = self.node_flops.get(key, 0) + flops
+            self._add_flops((node, phase), flops)
 
         if phase == "forward" and node is not None:
             self._record_edges(node, args, kwargs)

@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
 from remat3d.instrument.state import recomputing
+from remat3d.instrument.tracker import Repeat, replaying_tracker
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.replay import AmpState
 from remat3d.runtime.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
@@ -114,6 +115,14 @@ class TiledRun:
                     "run's outputs; a tiled run must be one computation ending in the "
                     "tensors it returns.")
         self.stats = [Stats(tr.ops[i].norm) for i in tr.norms]  # type: ignore[arg-type]
+        # what a tile's ops depend on, but where it lies (NOTE [ Repeats on meta ] rule 1)
+        sizes = {**tr.sizes}
+        self.shapes = [
+            (tuple((node, _shape(region, sizes[node])) for node, region in sorted(plan.items())),
+             tuple(_shape(r, tr.sizes[tr.ops[i].spatial.inputs[0]])
+                   for r, i in zip(owned.values(), tr.norms)),
+             tuple(_shape(r, tr.sizes[node]) for r, node in zip(outs, tr.outputs)))
+            for plan, owned, outs in zip(self.plans, self.owned, self.out_owned)]
 
     # -- one tile ---------------------------------------------------------------------
     def run_tile(self, k: int, inputs: Sequence[torch.Tensor], *, stop_at: int | None = None,
@@ -152,22 +161,35 @@ class TiledRun:
             stats.reset()
         with torch.no_grad():
             for j in range(len(self.stats)):
+                repeats = _Repeats(self)
                 for k in range(len(self.tiles)):
-                    with _restoring_buffers(), recomputing():
+                    if repeats.replayed(k):
+                        continue
+                    with repeats.recording(k), _restoring_buffers(), recomputing():
                         self.run_tile(k, inputs, stop_at=j)
                 self.stats[j].finish()
             outs = [host_empty(shape, dtype, self.device) if self.host_outputs
                     else torch.empty(shape, dtype=dtype, device=self.device)
                     for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
+            repeats = _Repeats(self)
             for k in range(len(self.tiles)):
-                last = k == len(self.tiles) - 1
-                with contextlib.nullcontext() if last else _restoring_buffers():
-                    ys, _, _ = self.run_tile(k, inputs)
-                assert ys is not None
-                for out, y, region in zip(outs, ys, self.out_owned[k]):
-                    crop(out, _whole(out), region).copy_(y)
+                if repeats.replayed(k):
+                    continue
+                with repeats.recording(k):
+                    self._output_tile(k, inputs, outs)
             self._update_running()
         return outs
+
+    def _output_tile(self, k: int, inputs: Sequence[torch.Tensor],
+                     outs: list[torch.Tensor]) -> None:
+        """Tile ``k``'s part of the outputs, written into ``outs`` (NOTE rule 1); buffers
+        restored but after the last tile. Its own tensors are gone when it returns."""
+        last = k == len(self.tiles) - 1
+        with contextlib.nullcontext() if last else _restoring_buffers():
+            ys, _, _ = self.run_tile(k, inputs)
+        assert ys is not None
+        for out, y, region in zip(outs, ys, self.out_owned[k]):
+            crop(out, _whole(out), region).copy_(y)
 
     def _update_running(self) -> None:
         for stats in self.stats:
@@ -203,22 +225,16 @@ class TiledRun:
             stats = self.stats[j]
             sum_g: torch.Tensor | None = None
             sum_gx: torch.Tensor | None = None
+            repeats = _Repeats(self)
             for k in range(len(self.tiles)):
-                ys, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs)
-                xhat = mode.captured
-                if ys is None or xhat is None or not xhat.requires_grad:
+                if repeats.replayed(k):
                     continue
-                outs, seeds = self._seeded(k, ys, dys)
-                if not outs:
-                    continue
-                (g,) = torch.autograd.grad(outs, xhat, seeds, allow_unused=True)
-                if g is None:
-                    continue
-                dims = stats.dims()
-                gs = g.sum(dims, keepdim=True).double()
-                gx = (g * xhat.detach()).sum(dims, keepdim=True).double()
-                sum_g = gs if sum_g is None else sum_g + gs
-                sum_gx = gx if sum_gx is None else sum_gx + gx
+                with repeats.recording(k):
+                    sums = self._norm_sums_tile(k, j, inputs, dys, needs)
+                    if sums is not None:
+                        sum_g = sums[0] if sum_g is None else sum_g + sums[0]
+                        sum_gx = sums[1] if sum_gx is None else sum_gx + sums[1]
+                    del sums  # a tile leaves nothing alive but what it adds to
             if sum_g is None or sum_gx is None:
                 zero = torch.zeros((), dtype=torch.float64, device=self.device)
                 stats.sums = (zero, zero)
@@ -229,30 +245,100 @@ class TiledRun:
             else torch.zeros_like(x)
             for x, need, host in zip(inputs, needs, self.host_inputs)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
+        repeats = _Repeats(self)
         for k in range(len(self.tiles)):
-            ys, local, _ = self.run_tile(k, inputs, grad_inputs=needs)
-            assert ys is not None
-            outs, seeds = self._seeded(k, ys, dys)
-            wrt = [x for x, need in zip(local, needs) if need] + params
-            if not outs or not wrt:
+            if repeats.replayed(k):
                 continue
-            grads = torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
-            it = iter(grads)
-            for i, need in enumerate(needs):
-                if need:
-                    g = next(it)
-                    target = dx[i]
-                    if g is not None and target is not None:
-                        part = crop(target, _whole(target), region_of(local[i]))
-                        if self.host_inputs[i]:
-                            add_into_host(part, g)
-                        else:
-                            part.add_(g)
-            for i, g in enumerate(it):
-                if g is not None:  # summed over tiles in float64: no rounding added
-                    previous = dparams[i]
-                    dparams[i] = g.double() if previous is None else previous.add_(g)
+            with repeats.recording(k):
+                self._backward_tile(k, inputs, dys, needs, params, dx, dparams)
         return dx, [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
+
+    def _norm_sums_tile(self, k: int, j: int, inputs: Sequence[torch.Tensor],
+                        dys: Sequence[torch.Tensor | None], needs: Sequence[bool]
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Tile ``k``'s share of normalisation ``j``'s two backward sums (NOTE rule 3);
+        None where the tile adds nothing. Its own tensors are gone when it returns."""
+        ys, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs)
+        xhat = mode.captured
+        if ys is None or xhat is None or not xhat.requires_grad:
+            return None
+        outs, seeds = self._seeded(k, ys, dys)
+        if not outs:
+            return None
+        (g,) = torch.autograd.grad(outs, xhat, seeds, allow_unused=True)
+        if g is None:
+            return None
+        dims = self.stats[j].dims()
+        return (g.sum(dims, keepdim=True).double(),
+                (g * xhat.detach()).sum(dims, keepdim=True).double())
+
+    def _backward_tile(self, k: int, inputs: Sequence[torch.Tensor],
+                       dys: Sequence[torch.Tensor | None], needs: Sequence[bool],
+                       params: list[torch.Tensor], dx: list[torch.Tensor | None],
+                       dparams: list[torch.Tensor | None]) -> None:
+        """Tile ``k``'s share of the input and parameter gradients, added into ``dx`` and
+        ``dparams`` (NOTE rule 2); its own tensors are gone when it returns."""
+        ys, local, _ = self.run_tile(k, inputs, grad_inputs=needs)
+        assert ys is not None
+        outs, seeds = self._seeded(k, ys, dys)
+        wrt = [x for x, need in zip(local, needs) if need] + params
+        if not outs or not wrt:
+            return
+        grads = torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
+        it = iter(grads)
+        for i, need in enumerate(needs):
+            if need:
+                g = next(it)
+                target = dx[i]
+                if g is not None and target is not None:
+                    part = crop(target, _whole(target), region_of(local[i]))
+                    if self.host_inputs[i]:
+                        add_into_host(part, g)
+                    else:
+                        part.add_(g)
+        for i, g in enumerate(it):
+            if g is not None:  # summed over tiles in float64: no rounding added
+                previous = dparams[i]
+                dparams[i] = g.double() if previous is None else previous.add_(g)
+
+
+def _shape(region: Region, size: Sequence[int]) -> tuple[tuple[int, bool, bool], ...]:
+    """A region as a tile's ops see it: its extent, and whether it touches each border."""
+    return tuple((hi - lo, lo == 0, hi == n) for (lo, hi), n in zip(region, size))
+
+
+class _Repeats:
+    """One pass's tiles on a replaying tracker (NOTE [ Repeats on meta ] in
+    ``instrument/tracker.py``): a tile whose shapes a tile of the pass already had is
+    booked from that one's record, not run; elsewhere, and for the pass's last tile
+    (it keeps the buffers it updates), every tile runs."""
+
+    def __init__(self, run: TiledRun) -> None:
+        self.run = run
+        self.tracker = replaying_tracker() if run.device.type == "meta" else None
+        self.seen: dict[Any, Repeat] = {}
+
+    def replayed(self, k: int) -> bool:
+        if self.tracker is None or k == len(self.run.tiles) - 1:
+            return False
+        repeat = self.seen.get(self.run.shapes[k])
+        return repeat is not None and self.tracker.replay(repeat)
+
+    @contextlib.contextmanager
+    def recording(self, k: int) -> Iterator[None]:
+        tracker, key = self.tracker, self.run.shapes[k]
+        if tracker is None or key in self.seen:
+            yield
+            return
+        start = tracker.begin_repeat()
+        try:
+            yield
+        except BaseException:
+            tracker.end_repeat(start)
+            raise
+        repeat = tracker.end_repeat(start)
+        if repeat is not None:
+            self.seen[key] = repeat
 
 
 def _whole(t: torch.Tensor) -> Region:
