@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -46,4 +47,5 @@ def run_with_progress(console: Console, suite_name: str, models: str | None,
                           f"{100 * (r.recompute_ratio or 0):+.1f}%")
         console.print(table)
     console.print(f"{len(result.records)} records in {result.seconds / 60:.1f} min; written: "
-                  + ", ".join(os.fspath(Path(f)) for f in result.files), highlight=False)
+                  + escape(", ".join(os.fspath(Path(f)) for f in result.files)), highlight=False,
+                  soft_wrap=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from remat3d.cli.common import console
@@ -39,7 +40,7 @@ def demo_command(
     console.print(f"{ok}{result.gradient_check}[/]", highlight=False)
     console.print(f"validation Dice: {result.dice_before:.4f} before fine-tuning -> "
                   f"[bold]{result.dice_after:.4f}[/] after", highlight=False)
-    console.print(f"figure: {result.figure}; finished in {result.seconds:.0f} s",
-                  highlight=False)
+    console.print(f"figure: {escape(str(result.figure))}; finished in {result.seconds:.0f} s",
+                  highlight=False, soft_wrap=True)
     if not result.gradients_equal:
         raise typer.Exit(1)

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from remat3d.cli.common import build, console, progress, quiet_native_stdout
@@ -101,10 +102,10 @@ def plan_command(
                       "prefetched (the prefetch's overlap does not fit this budget)",
                       highlight=False)
     if out:
-        console.print(f"plan written to [bold]{out}[/]")
+        console.print(f"plan written to [bold]{escape(str(out))}[/]", soft_wrap=True)
     if plot:
         _plot(plot, net, shape, result, base, amp_, offload, model, tile)
-        console.print(f"plot written to [bold]{plot}[/]")
+        console.print(f"plot written to [bold]{escape(str(plot))}[/]", soft_wrap=True)
 
 
 def _overhead(plan: Any, base: Any) -> float:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from remat3d.cli.common import build, console
@@ -46,7 +47,7 @@ def profile_command(
         prof.save(json_out)
     print_profile(prof, model, top)
     if json_out:
-        console.print(f"profile written to [bold]{json_out}[/]")
+        console.print(f"profile written to [bold]{escape(str(json_out))}[/]", soft_wrap=True)
 
 
 def print_profile(prof: Any, model: str, top: int) -> None:

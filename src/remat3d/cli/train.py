@@ -41,8 +41,11 @@ def train_command(
     settings = load_settings(config, overrides)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 talks
         console.quiet = True
-    console.print(f"[bold]remat3d train[/] {settings.model} on {settings.data} -> "
-                  f"{settings.output_dir}", highlight=False)
+    # paths are printed whole (soft_wrap: no line breaks inside them) and escaped, so they
+    # can be copied from the terminal as they are
+    console.print(f"[bold]remat3d train[/] {escape(str(settings.model))} on "
+                  f"{escape(str(settings.data))} -> {escape(str(settings.output_dir))}",
+                  highlight=False, soft_wrap=True)
     started = time.perf_counter()
     try:
         result = train(settings, resume=resume, overwrite=overwrite,
@@ -65,5 +68,6 @@ def train_command(
     if result.validation:
         last = result.validation[-1]
         console.print(f"validation Dice (epoch {last['epoch']}): [bold]{last['dice']:.4f}[/]")
-    console.print(f"weights: {result.output_dir / 'model.pt'}; log: "
-                  f"{result.output_dir / 'log.jsonl'}", highlight=False)
+    console.print(f"weights: {escape(str(result.output_dir / 'model.pt'))}; log: "
+                  f"{escape(str(result.output_dir / 'log.jsonl'))}", highlight=False,
+                  soft_wrap=True)
