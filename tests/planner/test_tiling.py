@@ -13,7 +13,7 @@ import remat3d
 from remat3d.errors import InfeasibleBudgetError
 from remat3d.instrument.step import meta_copy
 from remat3d.planner.stages import build_stages
-from remat3d.planner.tiling import _readers, layouts, stage_levels
+from remat3d.planner.tiling import layouts, stage_levels, stage_readers
 from remat3d.planspec import Region
 from remat3d.profiling import profile
 from tests.tiling.test_fused import TinyUNet, _step, assert_same_step
@@ -34,7 +34,7 @@ def test_levels_and_readers(graph_and_stages) -> None:  # type: ignore[no-untype
     # the encoder stage reads the full-resolution skip: level 0 like the stem and decoder
     assert level["stem"] == level["down"] == level["up"] == level["head"] == 0
     assert level["inner"] == 1
-    readers = _readers(graph, stages)
+    readers = stage_readers(graph, stages)
     index = {n: i for i, n in enumerate(names)}
     assert readers[index["up"]] == {index["head"]}
     assert readers[index["head"]] == {None}  # read by the loss only
@@ -336,3 +336,114 @@ def test_a_single_conv_unit_is_one_stage_with_its_norm_and_activation() -> None:
     assert stages.stages[0].saved_bytes >= 4 * 32**3 * 4
     plan = remat3d.plan(net, SHAPE, budget="0.6x")
     assert "stem" in [r.module for r in plan.regions]
+
+
+def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 8: the fused outputs of a layout that fits are stored
+    on the device where the verified peak still fits and the extra FLOPs fall, the
+    largest expected saving first; one fused into a single reader without normalisations
+    (a head) is left fused; a stored output that does not fit the room left is not
+    verified; host outputs are stored on the device where they fit, at the same FLOPs."""
+    from remat3d.planner.tiled_plans import layout_regions, store_tiled_outputs
+    from remat3d.planner.tiling import storing_saves
+    from remat3d.planspec import Plan
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    index = {n: i for i, n in enumerate(names)}
+    tiled = {index[n] for n in ("stem", "down", "up", "head")}
+    saves = storing_saves(graph, stages, tiled)
+    # the skip (stem: a norm, two tiled readers with norms) saves the most; "up" fused
+    # into the head (no normalisation) saves nothing; the head's readers are the loss
+    assert saves[index["stem"]] > 0
+    assert saves[index["up"]] == 0 and saves[index["head"]] == 0
+    assert storing_saves(graph, stages, {index["stem"]})[index["stem"]] == 0  # none tiled
+
+    lay = next(lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+               if lay.depth == 1 and lay.fuse == "all")
+    assert {names[s] for s, (_t, out) in lay.tiled.items() if out == "fused"} == {"stem", "up"}
+    start = Plan(regions=layout_regions(stages, lay), verified_peak_bytes=100,
+                 extra_flops=1000)
+    verified: list[list[str]] = []
+
+    def check(plan: Plan) -> Plan:
+        fused = sorted(r.module for r in plan.regions if r.fuse)
+        verified.append(fused)
+        plan.verified_peak_bytes = 100 + 10 * (2 - len(fused))
+        plan.extra_flops = 1000 - 300 * ("stem" not in fused) - 1 * ("up" not in fused)
+        return plan
+
+    roomy = 100 + stages.stages[index["stem"]].output_bytes
+    chosen = store_tiled_outputs(start, roomy, stages, check, saves)
+    assert verified == [["up"]]  # only the skip is tried; the head's input stays fused
+    assert [r.module for r in chosen.regions if r.fuse] == ["up"]
+    assert chosen.extra_flops == 700 and chosen.verified_peak_bytes == 110
+    verified.clear()
+    assert store_tiled_outputs(start, 105, stages, check, saves) is start  # no room: no trial
+    assert verified == []
+    # a host-resident output that fits is stored on the device (no copies, same FLOPs)
+    hosted = Plan(regions=[dataclasses.replace(r, fuse=False, host=r.module == "stem")
+                           for r in start.regions], verified_peak_bytes=100, extra_flops=700)
+
+    def check_host(plan: Plan) -> Plan:
+        plan.verified_peak_bytes, plan.extra_flops = 120, 700
+        return plan
+
+    assert not any(r.host for r in store_tiled_outputs(hosted, 10**9, stages, check_host,
+                                                       saves).regions)
+    assert store_tiled_outputs(hosted, 110, stages, check_host, saves) is hosted
+
+
+def test_tiled_stages_run_whole_where_room_allows_most_passes_first(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 9: a tiled stage whose output is stored runs whole
+    (recomputed, or kept where it may not be recomputed) when the verified peak still
+    fits and the extra FLOPs fall; the stage saving the most passes is tried first; a
+    fused or host output's stage never, nor a stage reading one (run whole, it would
+    make that output whole), nor one saving under 1 % of the step's FLOPs; no trial is
+    verified without room for it."""
+    from remat3d.planner.tiled_plans import layout_regions, untile_where_room
+    from remat3d.planner.tiling import stage_norms
+    from remat3d.planspec import Plan
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    norms, readers = stage_norms(graph, stages), stage_readers(graph, stages)
+    assert norms[names.index("stem")] == 1 and norms[names.index("down")] == 1
+    assert norms[names.index("inner")] == 0 and norms[names.index("head")] == 0
+    lay = next(lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+               if lay.depth == 1 and lay.fuse == "chain")
+    start = Plan(regions=layout_regions(stages, lay), verified_peak_bytes=100,
+                 extra_flops=1000, step_flops=1)
+    # "up" is fused into the head: the head stays tiled
+    assert {r.module for r in start.regions if r.decision == "tile" and not r.fuse} == \
+        {"stem", "down", "head"}
+    verified: list[str] = []
+
+    def check(plan: Plan) -> Plan:
+        tiled = {r.module for r in plan.regions if r.decision == "tile"}
+        whole = sorted({"stem", "down", "head"} - tiled)
+        verified.append(",".join(whole))
+        plan.verified_peak_bytes = 100 + 10 * len(whole)
+        plan.extra_flops = 1000 - 100 * len(whole)
+        return plan
+
+    chosen = untile_where_room(start, 10**12, stages, check, norms, readers)
+    order = sorted(("stem", "down"), key=lambda n: (
+        -stages.stages[names.index(n)].fwd_flops * (1 + norms[names.index(n)]),
+        names.index(n)))
+    assert verified == [order[0], "down,stem"]  # the most passes saved first; not the head
+    assert {r.module for r in chosen.regions if r.decision == "tile"} == {"up", "head"}
+    assert {r.module for r in chosen.regions if r.decision == "recompute"} >= {"stem", "down"}
+    assert chosen.extra_flops == 800 and chosen.verified_peak_bytes == 120
+    verified.clear()
+    assert untile_where_room(start, 100, stages, check, norms, readers) is start  # no room
+    assert verified == []
+    # a stage that may not be recomputed is kept whole: no region for it
+    no_stem = [n != "stem" for n in names]
+    kept = untile_where_room(start, 10**12, stages, check, norms, readers, no_stem)
+    assert "stem" not in {r.module for r in kept.regions}
+    # a stage saving under 1 % of the step's FLOPs is not tried
+    verified.clear()
+    big = dataclasses.replace(start, step_flops=10**15)
+    assert untile_where_room(big, 10**12, stages, check, norms, readers) is big
+    assert verified == []

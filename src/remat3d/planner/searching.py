@@ -36,8 +36,16 @@ from remat3d.planner.tiled_plans import (
     first_fitting_layout,
     greedy_prune,
     prune_tiled,
+    store_tiled_outputs,
+    untile_where_room,
 )
-from remat3d.planner.tiling import extend_layout, layouts
+from remat3d.planner.tiling import (
+    extend_layout,
+    layouts,
+    stage_norms,
+    stage_readers,
+    storing_saves,
+)
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes, format_shape
 
@@ -208,6 +216,17 @@ class _Search:
                                                             layout, module))
             smallest = min(smallest, tiled_smallest)
             if tiled is not None:
+                saves = storing_saves(self.p.graph, self.stages, {
+                    st.index for st in self.stages.stages if any(
+                        r.decision == Decision.TILE and r.module == st.name
+                        and (r.calls or [0])[0] == st.call_index for r in tiled.regions)})
+                # NOTE [ Tiling layouts ] rules 8, 9 and 4: the room the layout left
+                tiled = store_tiled_outputs(tiled, self.budget, self.stages, self.check,
+                                            saves)
+                tiled = untile_where_room(tiled, self.budget, self.stages, self.check,
+                                          stage_norms(self.p.graph, self.stages),
+                                          stage_readers(self.p.graph, self.stages),
+                                          self.p.options.recomputable)
                 return prune_tiled(tiled, self.budget, self.stages, self.check)
         raise self.infeasible(smallest)
 

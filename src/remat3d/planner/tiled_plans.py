@@ -21,7 +21,7 @@ from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
 __all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
-           "layout_regions", "prune_tiled"]
+           "layout_regions", "prune_tiled", "store_tiled_outputs", "untile_where_room"]
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,108 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         if chosen is not None:
             return chosen, smallest
     return repair(None), smallest
+
+
+def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Check,
+                        saves: list[float]) -> Plan:
+    """A tiled plan's fused and host-resident outputs stored on the device where the
+    verified peak still fits (NOTE [ Tiling layouts ] rule 8), costliest stage first.
+
+    A layout fuses or hosts its tiled outputs all alike (rule 3), and the first layout
+    that fits is taken, so it may leave room: nnU-Net v2 at 512³ bf16 with a 24 GiB budget
+    verified 16 GiB with every full-resolution output fused, each recomputed, with its
+    normalisation passes, inside every reader's tiles. A fused output stored instead is
+    computed once; a host output stored on the device is not copied to the host and back.
+    Fused outputs are tried by ``saves`` (per stage index, ``tiling.storing_saves``),
+    largest first, those expected to save nothing not at all, and stored where that
+    lowers the extra FLOPs; then host outputs, stored where the FLOPs do not grow. A
+    trial is verified only when the output (for a host output, the output and its
+    gradient, which return to the device too) fits the room the budget has left above
+    the verified peak, by the stage model's bytes.
+    """
+    by_name = {(st.name, st.call_index): st for st in stages.stages}
+    steps = [(r, st) for r in best.regions
+             if r.decision == Decision.TILE and (r.fuse or r.host)
+             and (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None
+             and (r.host or saves[st.index] > 0)]
+    # fused first, the largest saving first; then host outputs, the largest first
+    steps.sort(key=lambda pair: (pair[0].host, -saves[pair[1].index], -pair[1].output_bytes,
+                                 pair[1].index))
+
+    def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
+        region, st = step
+        added = st.output_bytes * (2 if region.host else 1)
+        if added > budget - (current.verified_peak_bytes or 0):
+            log.info("%s: its output (%s) does not fit the room left; not stored", region.label,
+                     format_bytes(added))
+            return
+        log.info("trying %s with its output stored on the device", region.label)
+        regions = [dataclasses.replace(r, fuse=False, host=False) if _same(r, region) else r
+                   for r in current.regions]
+        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
+
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        if (candidate.verified_peak_bytes or 0) > budget:
+            return False
+        stored = sum(r.fuse for r in candidate.regions) < sum(r.fuse for r in current.regions)
+        return extra_cost(candidate) < extra_cost(current) if stored else \
+            extra_cost(candidate) <= extra_cost(current)
+
+    return greedy_prune(best, steps, trials, cheaper)
+
+
+def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
+                      norms: list[int], readers: list[set[int | None]],
+                      recomputable: list[bool] | None = None) -> Plan:
+    """A tiled plan's tiled stages whose outputs are stored on the device, run whole
+    instead (recomputed) where the verified peak still fits and the extra FLOPs fall
+    (NOTE [ Tiling layouts ] rule 9): the most passes saved first (forward FLOPs times one
+    more than the stage's normalisations, ``norms`` per stage index, from
+    ``tiling.stage_norms``), none that would save under 1 % of the step's FLOPs. A stage
+    reading a fused or host-resident output (``readers``: per stage index, the stages
+    reading its outputs, ``tiling.stage_readers``) stays tiled: run whole, it would make
+    that output whole on the device. A stage that may not be recomputed
+    (``recomputable``, as in ``layout_regions``) is kept whole instead. A trial is
+    verified only when the stage's recomputation working set above its input (the stage
+    model's; all it saves, when kept) fits the room the budget has left above the
+    verified peak."""
+    by_name = {(st.name, st.call_index): st for st in stages.stages}
+    deferred = {st.index for r in best.regions if r.decision == Decision.TILE
+                and (r.fuse or r.host)
+                and (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None}
+    reading = {s for d in deferred for s in readers[d] if s is not None}
+    floor = (best.step_flops or 0) / 100
+    steps = [(r, st) for r in best.regions
+             if r.decision == Decision.TILE and not (r.fuse or r.host) and not r.segment
+             and (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None
+             and st.index not in reading and st.fwd_flops * (1 + norms[st.index]) >= floor]
+    steps.sort(key=lambda pair: (-pair[1].fwd_flops * (1 + norms[pair[1].index]),
+                                 pair[1].index))
+
+    def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
+        region, st = step
+        recompute = recomputable is None or recomputable[st.index]
+        added = st.held_in_backward(RECOMPUTE) - st.input_bytes if recompute else \
+            st.saved_bytes
+        if added > budget - (current.verified_peak_bytes or 0):
+            log.info("%s: its working set run whole (%s) does not fit the room left",
+                     region.label, format_bytes(added))
+            return
+        log.info("trying %s run whole", region.label)
+        whole = [Region(st.name, calls=[st.call_index])] if recompute else []
+        regions = [w for r in current.regions for w in (whole if _same(r, region) else [r])]
+        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
+
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        return (candidate.verified_peak_bytes or 0) <= budget and \
+            extra_cost(candidate) < extra_cost(current)
+
+    return greedy_prune(best, steps, trials, cheaper)
+
+
+def _same(a: Region, b: Region) -> bool:
+    """Whether two regions are the same stage's (the plan's edits replace regions)."""
+    return (a.module, a.calls, a.segment) == (b.module, b.calls, b.segment)
 
 
 def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Plan:

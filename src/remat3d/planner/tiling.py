@@ -55,6 +55,27 @@ NOTE [ Tiling layouts ]
      level-1 stage. Repairs are verified after the layouts of their group (rule 5's
      levels, fused or not) and before the next group's; a repaired layout that misses
      again is repaired again while its peak falls, at most three stages added.
+  8. Storing what fits: a layout fuses or hosts its outputs all alike and the first that
+     fits is taken, so it may leave room under the budget. Before the pruning of rule 4,
+     each fused output is stored on the device instead where the verified peak still
+     fits and the extra FLOPs fall, the largest expected saving first
+     (``storing_saves``: a fused stage is recomputed with every pass of each reader's
+     run; one fused into a single reader without normalisations, a 1x1 head, saves
+     nothing by being stored and is left fused); then each host-resident output is
+     stored on the device where it fits (no copies, the same FLOPs)
+     (``planner/tiled_plans.py``, ``store_tiled_outputs``). nnU-Net v2 at 512³ bf16,
+     24 GiB, no offload: the ``fuse all`` layout at 16.00 GiB and 5.0x the FLOPs
+     became its decoder's two top stages stored.
+  9. Then each tiled stage whose output is stored on the device is run whole instead
+     (recomputed, like the layout's untiled stages) where the verified peak still fits
+     and the extra FLOPs fall, the most normalisation passes saved first (a tiled stage
+     with k normalisations runs k + 1 passes forward and k + 1 recomputations backward;
+     NOTE [ Tiled backward ]), none saving under 1 % of the step's FLOPs; a trial is
+     verified only when the stage's recomputation working set by the stage model fits
+     the room left (``untile_where_room``). A stage reading a fused or host-resident
+     output stays tiled: run whole it would make that output whole on the device. The
+     layouts tile every stage of a level alike (rule 2); this keeps tiled only the ones
+     the budget needs.
 """
 
 from __future__ import annotations
@@ -67,7 +88,7 @@ from remat3d.graph import CostGraph
 from remat3d.planner.stages import StageModel
 
 __all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "extend_layout", "layouts", "stage_at",
-           "stage_levels"]
+           "stage_levels", "stage_norms", "stage_readers", "storing_saves"]
 
 FUSE_MODES = ("none", "host", "chain", "chain+host", "all")  # rule 5's order in a level
 # where a tiled stage's output lives: stored on the device, fused into its readers, or
@@ -126,7 +147,7 @@ def stage_levels(graph: CostGraph, model: StageModel) -> list[int | None]:
     return [None if v == 0 else round(math.log(top / v, 8)) for v in largest]
 
 
-def _readers(graph: CostGraph, model: StageModel) -> list[set[int | None]]:
+def stage_readers(graph: CostGraph, model: StageModel) -> list[set[int | None]]:
     """Per stage, the stages that read its outputs (None: glue or the loss)."""
     member = _stage_members(graph, model)
     readers: list[set[int | None]] = [set() for _ in model.stages]
@@ -186,7 +207,7 @@ def _facts(graph: CostGraph, model: StageModel) -> _Facts | None:
                     key=lambda e: e[0] * e[1] * e[2], default=None)
     if top_edges is None:
         return None
-    return _Facts(levels, _readers(graph, model), full, top_edges)
+    return _Facts(levels, stage_readers(graph, model), full, top_edges)
 
 
 def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
@@ -225,6 +246,32 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
                 continue
             seen.add(key)
             out.append(Layout(depth=depth, fuse=fuse, tile=t, tiled=tiled))
+    return out
+
+
+def stage_norms(graph: CostGraph, model: StageModel) -> list[int]:
+    """Per stage, the normalisation modules it runs (each is a pass of a tiled run)."""
+    count = [0] * len(model.stages)
+    for k, s in _stage_members(graph, model).items():
+        kind = graph.nodes[k].module_type
+        count[s] += kind.endswith(("Norm1d", "Norm2d", "Norm3d")) or kind == "GroupNorm"
+    return count
+
+
+def storing_saves(graph: CostGraph, model: StageModel, tiled: set[int]) -> list[float]:
+    """Rule 8: per stage, the forward FLOPs that storing its output would save, were it
+    fused into its readers that are in ``tiled``. A tiled run makes one pass more than it
+    has normalisations, each pass running the run's ops up to the normalisation it
+    gathers; so a fused stage runs in each reader's run about ``1 + its norms + the
+    reader's norms`` times, and in its own run ``1 + its norms`` times (0: no tiled
+    reader, it is not fused). An estimate, for the order in which storing is tried:
+    each trial is measured."""
+    norms, readers = stage_norms(graph, model), stage_readers(graph, model)
+    out = []
+    for st in model.stages:
+        inner = [r for r in readers[st.index] if r is not None and r in tiled]
+        fused = sum(1 + norms[st.index] + norms[r] for r in inner)
+        out.append(st.fwd_flops * (fused - (1 + norms[st.index])) if inner else 0.0)
     return out
 
 
