@@ -97,11 +97,29 @@ def test_another_input_shape_is_refused_before_tracing():
         model(torch.randn(1, 1, 16, 16, 16))
 
 
-@pytest.mark.parametrize("option", [{"offload": True},
-                                    {"loss_fn": lambda out: out.mean()}])
-def test_what_graph_plans_do_not_take_yet_is_one_clear_error(option):
-    with pytest.raises(PlanError, match="Graph plans do not take"):
-        remat3d.plan(ParentConcat(), SHAPE, budget="0.8x", graph=True, **option)
+def test_inference_without_grad_runs_the_models_own_forward_at_any_shape():
+    """Under no_grad nothing is saved for a backward: a planned model infers (validation,
+    sliding windows) like the unplanned one, in eval mode too, at any shape; training
+    after it runs the plan."""
+    torch.manual_seed(0)
+    plain = ParentConcat("batch")
+    plan = remat3d.plan(plain, SHAPE, budget="0.9x", graph=True)
+    model = remat3d.apply(copy.deepcopy(plain), plan)
+    for shape, training in ((SHAPE, True), ((1, 1, 16, 16, 16), False)):
+        x = torch.randn(shape)
+        plain.train(training)
+        model.train(training)
+        with torch.no_grad():
+            assert torch.equal(model(x), plain(x))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain.buffers()))
+    model.train()
+    model(torch.randn(SHAPE)).mean().backward()  # the plan's step, traced now
+    assert model.__dict__["_remat3d_graph_plan"].signature is not None
+
+
+def test_what_graph_plans_do_not_take_yet_is_one_clear_error():
+    with pytest.raises(PlanError, match="Graph plans do not take offload"):
+        remat3d.plan(ParentConcat(), SHAPE, budget="0.8x", graph=True, offload=True)
 
 
 def test_nnunet_v2s_own_network_plans_below_every_module_plan():
@@ -197,6 +215,74 @@ def test_optimal_on_a_step_that_cannot_be_traced_plans_its_modules_without_a_war
     assert any("Planned its modules instead" in note for note in plan.notes)
 
 
-def test_a_loss_fn_gets_a_module_plan_from_optimal():
-    plan = remat3d.plan(ParentConcat(), SHAPE, budget="0.8x", loss_fn=lambda out: out.mean())
-    assert plan.graph_recompute is None and plan.regions
+def test_a_loss_with_its_own_target_gets_a_graph_plan_that_counts_it():
+    """A planning loss that holds its label (a meta one, as the trainer's does: module
+    plans are verified on meta) gets a graph plan from ``optimal``: its step is the one
+    measured, on fake tensors of the model's device, the label counted from the step's
+    start; the plan trains bitwise like the unplanned model with that loss on a real
+    label."""
+    from remat3d.runtime.graph_run import measure_graph_plan
+
+    torch.manual_seed(0)
+    model = ParentConcat("instance")
+    real = torch.randint(0, 2, (1, *SHAPE[2:]))
+    label = real.to("meta")
+    loss_fn = lambda out: torch.nn.functional.cross_entropy(out.float(), label)
+    plan = remat3d.plan(model, SHAPE, budget="0.8x", loss_fn=loss_fn)
+    assert plan.graph_recompute and plan.strategy == "optimal"
+    assert plan.verified_peak_bytes <= plan.budget_bytes
+    with_label = measure_graph_plan(model, (SHAPE,), plan.graph_recompute,
+                                    twice=plan.graph_twice, loss_fn=loss_fn).peak_bytes
+    without = measure_graph_plan(model, (SHAPE,), plan.graph_recompute,
+                                 twice=plan.graph_twice).peak_bytes
+    assert with_label == plan.verified_peak_bytes
+    assert with_label >= without + label.numel() * label.element_size()
+
+    x = torch.randn(SHAPE)
+
+    def step(net):
+        for p in net.parameters():
+            p.grad = None
+        out = net(x)
+        torch.nn.functional.cross_entropy(out, real).backward()
+        return out.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        want = step(copy.deepcopy(model))
+        got = step(remat3d.apply(copy.deepcopy(model), plan))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert torch.equal(want[0], got[0])
+    assert all(torch.equal(want[1][k], got[1][k]) for k in want[1])
+
+def test_the_first_step_under_a_tracker_is_the_step_not_its_trace():
+    """NOTE [ Running a graph plan ] rule 7: the first call traces on fakes outside every
+    dispatch mode, so a tracker around it (the trainer measures each shape's first steps)
+    sees the step the plan was verified on, the same as every later one."""
+    from remat3d.instrument.step import default_loss
+    from remat3d.instrument.tracker import MemoryTracker
+
+    torch.manual_seed(0)
+    plain = ParentConcat("instance")
+    plan = remat3d.plan(plain, SHAPE, budget="0.8x", graph=True)
+    model = remat3d.apply(copy.deepcopy(plain), plan)
+    x = torch.randn(SHAPE)
+    peaks = []
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        tracker = MemoryTracker("cpu")
+        try:
+            tracker.register_model(model)
+            tracker.register([x], "input")
+            with tracker:
+                out = model(x)
+                default_loss(out).backward()
+                del out
+            peaks.append(tracker.peak_bytes)
+        finally:
+            tracker.close()
+    assert peaks[0] == peaks[1]
+    assert abs(peaks[0] - plan.verified_peak_bytes) <= 64  # a few bytes: the loss's scalars

@@ -7,11 +7,12 @@ tracker, and the list of stages that can run tiled (``runtime/tiling/probe.py``)
 
 NOTE [ Which plan optimal chooses ]
   1. ``optimal`` and ``auto`` plan the step's graph first (``graph=None``, the default)
-     when the unplanned step does not fit and the call allows a graph plan (no
-     ``loss_fn``): it decides per op, a parent's own ``cat`` included, so where both
-     reach a budget it recomputes a fraction of what a module plan does (``remat3d bench
-     --suite blocks``: at per-block checkpointing's peak). ``offload`` allows host memory;
-     it does not ask for it, so a graph plan that fits without it is taken.
+     when the unplanned step does not fit (with the call's ``loss_fn``, if any: its step
+     is measured, its targets counted): it decides per op, a parent's own ``cat``
+     included, so where both reach a budget it recomputes a fraction of what a module
+     plan does (``remat3d bench --suite blocks``: at per-block checkpointing's peak).
+     ``offload`` allows host memory; it does not ask for it, so a graph plan that fits
+     without it is taken.
   2. No graph plan fits (the greedy's smallest peak is above the budget): the module search
      runs with all it has (offload, rebuild, tiling), and the plan's notes say how low the
      graph went. Neither fits: the error names the lower of the two smallest peaks. A
@@ -20,8 +21,8 @@ NOTE [ Which plan optimal chooses ]
      floor, and the search runs only for the error's smallest peak, if the modules fail.
   3. A step that cannot be traced as one graph (``CaptureError``) is planned by its modules;
      the reason is logged and in the plan's notes (``graph=True`` warns with it).
-  4. ``graph=False`` is module plans only (what a hand-written plan, the trainer's planning
-     loss and ``--plot`` need); ``graph=True`` is a graph plan or an error.
+  4. ``graph=False`` is module plans only (what a hand-written plan, the trainer under
+     FSDP2 and ``--plot`` need); ``graph=True`` is a graph plan or an error.
 """
 
 from __future__ import annotations
@@ -167,8 +168,9 @@ def plan(
             backward; ``docs/architecture.md``, Graph plans). ``None`` (the default):
             ``optimal`` and ``auto`` choose one by themselves (NOTE [ Which plan optimal
             chooses ]); ``True`` (or ``strategy="graph"``): a graph plan or an error;
-            ``False``: module plans only. Graph plans recompute only, for now: they take
-            no ``loss_fn``, and ``offload`` and ``tile`` do not apply to them. Under
+            ``False``: module plans only. Graph plans recompute only, for now:
+            ``offload`` and ``tile`` do not apply to them (``loss_fn`` does: its step is
+            the one measured, its targets counted). Under
             ``amp`` the plan runs the forward under CUDA autocast's rules itself, on
             every device. A step that cannot be traced as one graph is planned by its
             modules (with ``graph=True`` a warning names why, and ``strategy="graph"``
@@ -190,8 +192,8 @@ def plan(
     """
     explicit = graph is True or strategy == "graph"  # a graph plan or an error
     if explicit:
-        _graph_options(offload=offload, loss_fn=loss_fn)
-    chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS and loss_fn is None)
+        _graph_options(offload=offload)
+    chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS)
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
@@ -227,7 +229,8 @@ def plan(
             else:
                 logger.info("searching graph plans (%d ops)", len(captured.graph.nodes))
                 chosen = _graph_plan(model, examples, header, captured, prof.peak_bytes,
-                                     step_flops, strategy="graph" if explicit else strategy)
+                                     step_flops, strategy="graph" if explicit else strategy,
+                                     loss_fn=loss_fn)
         except CaptureError as exc:  # one clear message, and the module plan instead
             fallback = f"{exc} Planned its modules instead (a module plan)."
             if explicit:
@@ -278,7 +281,7 @@ def plan(
         if below_floor is not None:  # the graph's smallest, for the message only
             try:
                 _graph_plan(model, examples, header, below_floor, prof.peak_bytes,
-                            step_flops, strategy=strategy)
+                            step_flops, strategy=strategy, loss_fn=loss_fn)
             except InfeasibleBudgetError as exc:
                 graph_smallest = exc.smallest_feasible_bytes
         if graph_smallest is None or graph_smallest >= lowest.smallest_feasible_bytes:
@@ -342,24 +345,23 @@ def _cached(key: tuple, chosen: Plan) -> Plan:
     return copy.deepcopy(chosen)
 
 
-def _graph_options(*, offload: bool, loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+def _graph_options(*, offload: bool) -> None:
     """Refuse, before any work, what graph plans do not take yet."""
-    for given, name in ((loss_fn, "loss_fn"), (offload or None, "offload")):
-        if given is not None:
-            raise PlanError(
-                f"Graph plans do not take {name} yet (they recompute, with the default "
-                "loss); use a module plan for it (graph=False, or plan without --graph)."
-            )
+    if offload:
+        raise PlanError(
+            "Graph plans do not take offload yet (they recompute); use a module plan for "
+            "it (graph=False, or plan without --graph)."
+        )
 
 
 def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
                 captured: Captured, unplanned_peak: int, step_flops: int,
-                strategy: str) -> Plan:
+                strategy: str, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
     """A graph plan (``graph=True``): the step captured as one aten graph, the search on
     its exact liveness (``planner/graph_search.py``), the choice measured under the
-    tracker on fake tensors; a measured peak above the budget tightens the search's
-    target by the excess (the loss outside the graph is not in the model), at most
-    ``_ROUNDS`` times."""
+    tracker on fake tensors with ``loss_fn`` (default: remat3d's); a measured peak above
+    the budget tightens the search's target by the excess (the loss outside the graph,
+    and its targets, are not in the model), at most ``_ROUNDS`` times."""
     graph = captured.graph
     budget = header.budget_bytes
     assert budget is not None
@@ -368,7 +370,8 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
         # torch's min-cut's choices compete where the greedy fits (made when asked for)
         choice = search_graph(graph, target, seeds=partitioner_choices(captured))
         measured = measure_graph_plan(model, tuple(examples), choice.recompute,
-                                      amp=header.amp, twice=choice.twice).peak_bytes
+                                      amp=header.amp, twice=choice.twice,
+                                      loss_fn=loss_fn).peak_bytes
         if smallest is None or measured < smallest:
             smallest = measured
         if measured <= budget:  # the measured peak is the promise, not the model's

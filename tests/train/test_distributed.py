@@ -19,6 +19,7 @@ from tests.data.volumes import write_dataset
 UNET = {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1, "out_channels": 3,
         "norm": "instance"}  # no BatchNorm: DDP keeps rank 0's running statistics (NOTE)
 HERE = Path(__file__).parent
+OUTPUTS: dict[Path, str] = {}  # each run's standard output, by its output folder
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def run(root, launcher, config, name, *extra):
                              *extra], env=env, capture_output=True, text=True, timeout=600,
                             check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    OUTPUTS[root / name] = result.stdout + result.stderr
     return root / name
 
 
@@ -94,3 +96,27 @@ def test_fsdp_recomputation_adds_no_all_gather(setup):
     counts = json.loads(result.stdout.strip().splitlines()[-1])
     assert counts["regions"] > 0 and counts["plain"] > 0
     assert counts["planned"] == counts["plain"]
+
+
+# -m slow (30 s: two more runs); the trainer's graph plans run by default in
+# tests/train/test_train.py and the demo, DDP's module plans above
+@pytest.mark.slow
+def test_ddp_with_a_graph_plan_equals_one_accumulating_process(setup, tmp_path):
+    """``optimal`` gives the trainer a graph plan (the step's aten graph, its loss the
+    trainer's Dice+CE); under DDP its backward feeds DDP's gradient hooks like any other
+    step: two processes equal one accumulating the same volumes, bit for bit."""
+    root, config, _ = setup
+    optimal = tmp_path / "optimal.yaml"
+    optimal.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()),
+                                       "strategy": "optimal", "memory_budget": "0.9x",
+                                       "data": str(root / "data" / "dataset.json")}))
+    single = run(tmp_path, [sys.executable, "-m", "remat3d"], optimal, "single",
+                 "--accumulate=2")
+    out = run(tmp_path, torchrun(), optimal, "ddp", "--distributed=ddp")
+    # rank 0 plans as the single process does (under torchrun its lines are not relayed)
+    assert "a graph plan" in " ".join(OUTPUTS[single].split())
+    a = torch.load(single / "model.pt", weights_only=True)
+    b = torch.load(out / "model.pt", weights_only=True)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    assert step_losses(out) == [(x + y) / 2 for x, y in
+                                zip(step_losses(single)[::2], step_losses(single)[1::2])]

@@ -73,6 +73,7 @@ __all__ = [
     "fake_step",
     "graph_digest",
     "op_graph",
+    "swapped_weights",
 ]
 
 # (joint graph, its example inputs, number of forward outputs) -> (forward, backward)
@@ -144,7 +145,7 @@ def aot_step(model: nn.Module, partition: PartitionFn,
     from functorch.compile import aot_function
 
     def functional(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> Any:
-        with _own_forward(model), _swapped(model, {**params, **buffers}), \
+        with _own_forward(model), swapped_weights(model, {**params, **buffers}), \
                 _forward_precision(amp):
             return model(*args)
 
@@ -281,7 +282,7 @@ def _elide_copies(joint: fx.GraphModule) -> None:
 
 
 @contextlib.contextmanager
-def _swapped(model: nn.Module, tensors: dict[str, Any]) -> Iterator[None]:
+def swapped_weights(model: nn.Module, tensors: dict[str, Any]) -> Iterator[None]:
     """``model``'s parameters and buffers replaced by ``tensors`` (the tracer's, by the
     names ``named_parameters``/``named_buffers`` give, each tensor once) and restored
     after. Swapped where they are held, once per module object and attribute: a module

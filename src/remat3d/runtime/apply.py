@@ -39,7 +39,7 @@ from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
 from remat3d.runtime.region import RegionStats, checkpoint_region
 from remat3d.runtime.spans import install_spans, span_modules, uninstall_spans
 
-__all__ = ["AppliedPlan", "applied_state", "apply", "remove"]
+__all__ = ["AppliedPlan", "applied_state", "apply", "is_applied", "remove"]
 
 _STATE_ATTR = "_remat3d_applied"
 
@@ -74,7 +74,13 @@ class AppliedPlan:
 
 
 def applied_state(model: nn.Module) -> AppliedPlan | None:
+    """The applied module plan's state (None: none, or a graph plan: ``is_applied``)."""
     return model.__dict__.get(_STATE_ATTR)
+
+
+def is_applied(model: nn.Module) -> bool:
+    """Whether a plan, of modules or of the step's graph, is applied to ``model``."""
+    return applied_state(model) is not None or graph_plan_of(model) is not None
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
@@ -91,7 +97,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"apply() needs a remat3d.Plan, got {type(plan).__name__}.")
-    if applied_state(model) is not None or graph_plan_of(model) is not None:
+    if is_applied(model):
         raise PlanError(
             f"A plan is already applied to this {type(model).__name__}. Call "
             "remat3d.remove(model) before applying another."

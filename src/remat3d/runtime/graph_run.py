@@ -19,7 +19,13 @@ NOTE [ Running a graph plan ]
   3. The model object, its parameters, buffers and ``state_dict`` stay as they are: only
      the instance's ``forward`` is replaced, and :func:`remove_graph_plan` deletes it.
   4. A graph is for one input signature (shapes, dtypes, train/eval, grad mode): another
-     one raises :class:`PlanError` asking for a new plan, never runs a stale graph.
+     one raises :class:`PlanError` asking for a new plan, never runs a stale graph. A
+     call without grad (inference, validation under ``torch.no_grad``) keeps nothing for
+     a backward: it runs the model's own forward, any shape, as module plans' regions do.
+  7. The first call traces the step on fake copies of the parameters, buffers and inputs,
+     outside every dispatch mode, before it runs on the real ones: a tracker around a
+     training step (the trainer measures each shape's first steps) sees the step, not the
+     trace, and tracing allocates nothing.
   5. A plan made for ``amp`` runs its forward under CUDA autocast's rules wherever it
      runs (``capture/joint.py``, NOTE rule 6): a caller's ``torch.autocast`` of the same
      dtype changes nothing, one of another dtype, or autocast around a plan made for full
@@ -27,24 +33,31 @@ NOTE [ Running a graph plan ]
      (``graph_digest``), or the step raises instead of running another graph's plan.
   6. :func:`measure_graph_plan` measures a plan's step under the tracker on fake tensors
      (``capture/joint.py``'s ``fake_step``): traced on a first, untracked call, measured on
-     the second, the output held through backward as everywhere else.
+     the second, the output held through backward as everywhere else. A loss function's
+     own targets (a meta or real label it closes over) are fakes of the step's device in
+     the ops it runs (``_LossTargets``), counted from the step's start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from remat3d.capture.joint import (
     aot_step,
     batch_norm_in_training,
     fake_step,
     graph_digest,
+    swapped_weights,
     tracing_errors,
 )
 from remat3d.errors import PlanError
@@ -226,6 +239,27 @@ class _GraphPlan:
         self.input_shapes = input_shapes
         self.signature: tuple | None = None
 
+    def _trace(self, args: tuple) -> None:
+        """Trace the step on fake copies of the parameters, buffers and inputs, outside
+        every dispatch mode (NOTE rule 7): the real call then runs the traced graphs."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        mode = FakeTensorMode()
+
+        def fake(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            made = mode.from_tensor(t)
+            if made.is_leaf and made.requires_grad != t.requires_grad:
+                made.requires_grad_(t.requires_grad)
+            return made
+
+        named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        with _disable_current_modes(), swapped_weights(self.model, {k: fake(t) for k, t in
+                                                             named.items()}):
+            self.step(*[fake(a) for a in args])
+
     def _check_autocast(self) -> None:
         for device, dtype in ambient_autocast():
             if self.amp is None:
@@ -240,6 +274,8 @@ class _GraphPlan:
                     f"dtype={dtype}). Plan it for that dtype, or leave autocast to the plan.")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # NOTE rule 4: nothing saved, nothing to plan
+            return type(self.model).forward(self.model, *args, **kwargs)
         if kwargs:
             raise PlanError("A graph plan runs a forward with positional inputs only; pass "
                             f"{', '.join(kwargs)} positionally or use a module plan.")
@@ -259,6 +295,7 @@ class _GraphPlan:
                 )
             self.signature = signature
             with tracing_errors(self.model):
+                self._trace(args)
                 return self.step(*args)
         if signature != self.signature:
             raise PlanError(
@@ -323,14 +360,16 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
 
     loss = loss_fn or default_loss
     fake_model, fake_inputs = fake_step(model, inputs, device)
+    targets = _LossTargets(loss, fake_inputs[0])
     apply_graph_plan(fake_model, recompute, amp=amp, twice=twice)
     # traced here, untracked; the graphs enter the fake mode themselves (not entered
     # here: AOTAutograd deep-copies the backward graph on its first run, and a lifted
     # constant, a torch.tensor(2.0) in forward, is a real tensor it cannot copy under it)
     output = fake_model(*fake_inputs)
-    with fake_inputs[0].fake_mode:  # what the loss makes from nothing is fake too
-        value = loss(output)
-    value.backward()
+    with targets.allowing_real():
+        with targets:
+            value = loss(output)
+        value.backward()
     del output, value
     for p in fake_model.parameters():
         p.grad = None
@@ -338,17 +377,95 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
     try:
         tracker.register_model(fake_model)
         tracker.register(list(fake_inputs), "input")
+        # the loss's own targets, alive through the step as in module plans' steps
+        tracker.register(targets.fakes, "input")
         # the fake mode entered beneath the tracker, which must see every op first
         with fake_inputs[0].fake_mode, tracker:
             output = fake_model(*fake_inputs)
             tracker.mark_forward_end(output)
             tracker.phase = "backward"
-            loss(output).backward()
-            del output
+            with targets.allowing_real():
+                with targets:  # outside the fake mode (``_LossTargets``); the tracker sees it
+                    value = loss(output)
+                value.backward()
+            del output, value
     finally:
         tracker.close()
     return GraphStep(tracker.peak_bytes, tracker.saved_bytes, dict(tracker.flops),
                      tracker.peak_breakdown(), amp_dtype(amp))
+
+
+class _LossTargets(TorchFunctionMode):
+    """The tensors a loss function holds (its targets: ``instrument/step.held_tensors``)
+    replaced, in the ops the loss runs, by fake tensors of the measured step's device
+    (NOTE rule 6). A planning loss holds a meta label (the trainer's, module plans are
+    verified on meta) or a real one; the graph plan's step runs on fake tensors of the
+    model's device, where either would be refused by the fake mode or mixed devices. The
+    values do not matter for memory; the fakes are registered with the tracker from the
+    step's start, as module plans' steps count the targets.
+
+    The loss runs outside the fake mode, as module plans' losses run on meta: what it
+    makes from nothing is real (a MONAI loss reads ``torch.arange(...).tolist()``, which a
+    fake tensor cannot answer), and a real tensor it mixes with the fake output is made
+    fake by the mode (``allow_non_fake_inputs``, for the loss and the backward only: the
+    loss's backward reads what it saved)."""
+
+    def __init__(self, loss: Any, like: torch.Tensor) -> None:
+        from remat3d.instrument.step import held_tensors
+
+        super().__init__()
+        mode = like.fake_mode  # type: ignore[attr-defined]
+        self._mode = mode
+        self._stack = contextlib.ExitStack()
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for t in held_tensors(loss):
+            if isinstance(t, FakeTensor) and t.fake_mode is mode:
+                continue
+            meta = torch.empty_like(t, device="meta")
+            fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, like.device)
+            fake.requires_grad_(t.requires_grad)
+            self._held[id(t)] = (t, fake)
+
+    @property
+    def fakes(self) -> list[torch.Tensor]:
+        return [fake for _, fake in self._held.values()]
+
+    @contextlib.contextmanager
+    def allowing_real(self) -> Iterator[None]:
+        """Real tensors mixed with fake ones made fake (the loss's, in its backward too)."""
+        allowed = self._mode.allow_non_fake_inputs
+        self._mode.allow_non_fake_inputs = True
+        try:
+            yield
+        finally:
+            self._mode.allow_non_fake_inputs = allowed
+
+    def __enter__(self) -> _LossTargets:
+        self._stack.enter_context(unset_fake_temporarily())
+        try:
+            super().__enter__()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._stack.close()
+
+    def _swap(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            pair = self._held.get(id(x))
+            if pair is not None and pair[0] is x:
+                return pair[1]
+        return x
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        args, kwargs = tree_map(self._swap, (args, kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def measure_applied_graph_plan(model: nn.Module, inputs: tuple, amp: str | None = None,

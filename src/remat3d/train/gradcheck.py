@@ -54,9 +54,9 @@ def check_plan_gradients(model: nn.Module, plan: Plan, inputs: torch.Tensor,
     peaks: dict[str, int] = {}
     timelines: dict[str, list[int]] = {}
     import remat3d
-    from remat3d.runtime.apply import applied_state
+    from remat3d.runtime.apply import is_applied
 
-    if applied_state(model) is not None:
+    if is_applied(model):
         raise remat3d.Remat3dError("check_plan_gradients needs the model without a plan "
                                    "applied; call remat3d.remove(model) first.")
 

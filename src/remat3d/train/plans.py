@@ -131,9 +131,13 @@ class StepPlans:
                     f"{format_bytes(unplanned + extra)}. Raise the budget."
                 )
             try:
+                # a graph plan replaces the model's forward by one graph: FSDP2 gathers
+                # each unit's parameters in its forward hooks, which that graph never
+                # calls, so under FSDP2 the plan is of modules
                 plan = remat3d.plan(self.model, shape, budget=budget - extra,
                                     strategy=s.strategy, offload=s.offload, amp=amp,
-                                    loss_fn=loss_fn)
+                                    loss_fn=loss_fn,
+                                    graph=False if self.world.mode == "fsdp" else None)
             except BudgetError as exc:
                 raise BudgetError(
                     f"memory_budget {s.memory_budget!r} = {format_bytes(budget)} for the "
@@ -141,10 +145,12 @@ class StepPlans:
                     f"for the rest: {exc}"
                 ) from None
             self.plans[shape] = plan
+            what = (f"{len(plan.regions)} regions" if plan.graph_recompute is None else
+                    f"a graph plan, {len(plan.graph_recompute)} graph nodes recomputed")
             self.say(f"plan for {format_shape(shape)} ({s.strategy}): budget "
                      f"{format_bytes(budget)} = {format_bytes(extra)} {held}"
-                     f" + {format_bytes(budget - extra)} for the step; {len(plan.regions)} "
-                     "regions; verified step peak "
+                     f" + {format_bytes(budget - extra)} for the step; {what}; "
+                     "verified step peak "
                      f"{format_bytes((plan.verified_peak_bytes or 0) + extra)}"
                      f" (unplanned {format_bytes(unplanned + extra)}); recompute "
                      f"{(plan.recompute_flops or 0) / 1e9:.2f} GFLOP; planned in "
@@ -154,12 +160,12 @@ class StepPlans:
     def use_plan(self, shape: Shape | None) -> None:
         """Install the plan for ``shape`` (``None``: no plan) if another one is in place."""
         import remat3d
-        from remat3d.runtime.apply import applied_state
+        from remat3d.runtime.apply import is_applied
 
         plan = self.plans.get(shape) if shape is not None else None
-        if self._applied == shape and (plan is None) == (applied_state(self.model) is None):
+        if self._applied == shape and (plan is None) == (not is_applied(self.model)):
             return
-        if applied_state(self.model) is not None:
+        if is_applied(self.model):  # a module plan or a graph plan
             remat3d.remove(self.model)
         if plan is not None:
             remat3d.apply(self.model, plan)
