@@ -125,6 +125,21 @@ def test_plan_command_plans_the_graph(tmp_path):
     assert result.exit_code == 2 and "Graph plans do not take offload" in result.output
 
 
+def test_plan_command_plans_for_compilation(tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.9x", "--no-tile", "--compiled", "--out",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    from remat3d import Plan
+
+    plan = Plan.load(out)
+    assert not plan.rebuild_saved and plan.graph_recompute is None and plan.regions
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.9x", "--compiled", "--graph"])
+    assert result.exit_code == 2 and "not planned for torch.compile" in result.output
+
+
 @pytest.mark.slow  # 30-45 s: the planner's own tiling test covers it by default
 def test_plan_command_tiles_below_the_recomputation_floor():
     import remat3d

@@ -12,6 +12,7 @@ from torch import nn
 
 import remat3d
 from remat3d import Plan, Region
+from remat3d.errors import PlanError
 from tests.runtime.exactness import train_step
 
 
@@ -151,3 +152,36 @@ def test_nnunet_v2_with_spans_compiles_without_a_graph_break() -> None:
     assert plan.spans  # the decoder's transposed conv + cat + stage as one unit
     planned = remat3d.apply(copy.deepcopy(net), plan)
     _assert_compiles_bitwise(planned, x, planned)
+
+
+def test_a_plan_for_compilation_is_verified_as_it_runs_compiled() -> None:
+    """``remat3d.plan(..., compiled=True)``: a module plan, searched and verified without
+    rebuilt saved tensors (a compiled step has none: NOTE rule 4); it compiles with no
+    graph break and warns of nothing. A plan verified with rebuilt tensors warns once,
+    while dynamo traces (no graph break), that its promise does not hold compiled."""
+    import warnings
+
+    from remat3d import zoo
+
+    torch.manual_seed(0)
+    net, shape = zoo.build_model("basicunet"), (1, 1, 32, 32, 32)
+    x = torch.randn(shape)
+    plan = remat3d.plan(net, shape, budget="0.9x", compiled=True, tile=False)
+    assert not plan.rebuild_saved and plan.graph_recompute is None and plan.regions
+    assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= plan.budget_bytes
+    assert plan == remat3d.plan(net, shape, budget="0.9x", compiled=True, tile=False)  # cached
+    assert remat3d.plan(net, shape, budget="0.9x").graph_recompute  # not compiled: a graph
+    with pytest.raises(PlanError, match="not planned for torch.compile"):
+        remat3d.plan(net, shape, budget="0.9x", compiled=True, graph=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*compiled=True")  # nothing to warn of
+        planned = remat3d.apply(copy.deepcopy(net), plan)
+        # MONAI's BasicUNet breaks dynamo's graph itself; the plan adds no break
+        assert _breaks(planned, x) <= _breaks(copy.deepcopy(net), x)
+        _assert_compiles_bitwise(planned, x, copy.deepcopy(net), no_break=False)
+    net, x = _net(), torch.randn(X)
+    rebuilt = Plan(regions=[Region("1")], verified_peak_bytes=1, rebuild_saved=True)
+    planned = remat3d.apply(copy.deepcopy(net), rebuilt)
+    with pytest.warns(RuntimeWarning, match="compiled=True") as caught:
+        _assert_compiles_bitwise(planned, x, copy.deepcopy(net))
+    assert sum("compiled=True" in str(w.message) for w in caught) == 1  # once per plan

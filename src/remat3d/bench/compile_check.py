@@ -3,9 +3,11 @@
 Run::
 
     python -m remat3d.bench.compile_check --preset nnunet --size 64 --budget 0.75x \\
-        [--backend inductor] [--tile]
+        [--backend inductor] [--tile] [--eager-plan]
 
-It plans the preset (module plans: ``graph=False``; ``--tile`` allows tiling), then runs one
+It plans the preset for compilation (``remat3d.plan(..., compiled=True)``: module plans
+verified without rebuilt saved tensors, as a compiled step runs them; ``--eager-plan``:
+planned for eager steps instead, ``graph=False``; ``--tile`` allows tiling), then runs one
 training step (loss = mean of the squared output, fp32) four ways: eager and compiled,
 unplanned and planned; each compiled step after one warm-up step that compiles it. It
 prints the CPU allocator's peak of each step (``instrument/reference.py``: at op
@@ -68,18 +70,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--budget", default="0.75x")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--tile", action="store_true", help="allow tiled regions in the plan")
+    ap.add_argument("--eager-plan", action="store_true",
+                    help="plan for eager steps (rebuilt saved tensors counted), not compiled")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model = zoo.build_model(args.preset)
     x = torch.randn(1, 1, args.size, args.size, args.size)
     try:
         plan = remat3d.plan(model, tuple(x.shape), budget=args.budget, graph=False,
-                            tile=args.tile)
+                            tile=args.tile, compiled=not args.eager_plan)
     except Remat3dError as exc:  # a budget no plan reaches: one line, no traceback
         raise SystemExit(f"error: {exc}") from None
     print(f"# compile_check {datetime.date.today()} {platform.machine()} "
           f"torch {torch.__version__}, {args.preset} {args.size}^3 fp32, budget "
-          f"{args.budget}, backend {args.backend}")
+          f"{args.budget}, backend {args.backend}, planned for "
+          f"{'eager steps' if args.eager_plan else 'compilation'}")
     print(plan.summary())
     planned = remat3d.apply(copy.deepcopy(model), plan)
     eager_plain, peak_eager_plain = _step(copy.deepcopy(model), x, False, args.backend)

@@ -40,6 +40,9 @@ def plan_command(
         "--graph: plan the step's aten graph, not its modules (any op may be recomputed, "
         "a parent's own cat or add included; recompute only, no --offload). --no-graph: "
         "module plans only. Default: optimal plans the graph where a graph plan fits.")),
+    compiled: bool = typer.Option(False, "--compiled", help=(
+        "The model will run under torch.compile: plan and verify the step as it runs "
+        "compiled (module plans, no rebuilt saved tensors).")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
@@ -64,7 +67,8 @@ def plan_command(
     with status:
         base = profile(net, shape, amp=amp_)
         result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
-                           amp=amp_, tile=tile, host_budget=host_budget, graph=graph)
+                           amp=amp_, tile=tile, host_budget=host_budget, graph=graph,
+                           compiled=compiled)
     if out:
         result.save(out)
     if json_out:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from remat3d.runtime.offload import HostUsage, OffloadHooks
 from remat3d.runtime.rebuild import RebuildRecorder, Rebuilt
 from remat3d.runtime.region import RegionStats, checkpoint_region
 from remat3d.runtime.spans import install_spans, span_modules, uninstall_spans
+from remat3d.units import format_bytes
 
 __all__ = ["AppliedPlan", "applied_state", "apply", "is_applied", "remove"]
 
@@ -280,6 +282,25 @@ def _unpack(saved: torch.Tensor | Rebuilt) -> torch.Tensor:
     return saved if isinstance(saved, torch.Tensor) else saved.unpack()
 
 
+_WARNED_COMPILED: set[int] = set()  # plans warned of (once each, while dynamo traces)
+
+
+def _warn_rebuilt_when_compiled(plan: Plan) -> None:
+    """A verified plan counting rebuilt saved tensors, run compiled (NOTE [ Plans under
+    torch.compile ] rule 4): its promise does not hold there; say so once (a warning is
+    no graph break)."""
+    if not plan.rebuild_saved or plan.verified_peak_bytes is None or \
+            id(plan) in _WARNED_COMPILED:
+        return
+    _WARNED_COMPILED.add(id(plan))
+    warnings.warn(
+        f"This plan was verified at {format_bytes(plan.verified_peak_bytes)} with rebuilt "
+        "saved tensors (Plan.rebuild_saved), which a compiled step does not have: under "
+        "torch.compile it can hold more. Plan it for compilation (remat3d.plan(..., "
+        "compiled=True), remat3d plan --compiled) to verify it as it runs compiled.",
+        RuntimeWarning, stacklevel=2)
+
+
 class _LoggedForward:
     """The model's forward with the saved-tensor log around it (one per forward with
     gradients, not in recomputations)."""
@@ -290,8 +311,10 @@ class _LoggedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
-        if (is_recomputing() or not torch.is_grad_enabled() or state.logger is not None
-                or compiling()):  # NOTE [ Plans under torch.compile ] rule 4
+        if compiling():  # NOTE [ Plans under torch.compile ] rule 4
+            _warn_rebuilt_when_compiled(state.plan)
+            return self.inner(*args, **kwargs)
+        if is_recomputing() or not torch.is_grad_enabled() or state.logger is not None:
             return self.inner(*args, **kwargs)
         state.logger = _LogSaved(state)
         try:

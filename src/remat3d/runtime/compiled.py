@@ -20,7 +20,10 @@ NOTE [ Plans under torch.compile ]
      so once per region.
   4. The model-level saved-tensor log and rebuilt saved tensors (``Plan.rebuild_saved``)
      are saved-tensor hooks too; compiled, they are left out (the partitioner decides what
-     the step outside regions saves).
+     the step outside regions saves). A plan verified with rebuilt tensors promises a
+     peak the compiled step need not keep: dynamo's trace warns once per plan (a warning
+     is no graph break), and ``remat3d.plan(..., compiled=True)`` plans and verifies
+     without them, as the compiled step runs.
   5. ``remat3d.checkpoint`` called inside a compiled model is rule 2 too (with
      ``offload=True``: eager, rule 3).
   6. The op-by-op check of recomputations (``runtime/region.py``) does not run in compiled
