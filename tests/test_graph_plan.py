@@ -286,3 +286,33 @@ def test_the_first_step_under_a_tracker_is_the_step_not_its_trace():
             tracker.close()
     assert peaks[0] == peaks[1]
     assert abs(peaks[0] - plan.verified_peak_bytes) <= 64  # a few bytes: the loss's scalars
+
+
+class _HeldByAttribute:
+    """A loss holding its meta label as an attribute (not a closure: not found as held)."""
+
+    def __init__(self) -> None:
+        self.label = torch.zeros((1, *SHAPE[2:]), dtype=torch.long, device="meta")
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.float(), self.label)
+
+
+def test_a_loss_whose_targets_are_held_otherwise_or_that_cannot_run_on_fakes():
+    """A meta target read from an attribute (or a global) is a fake of the step's device
+    too; a loss that cannot run on fake tensors at all gets a module plan, the reason in
+    its notes, never a crash."""
+    torch.manual_seed(0)
+    plan = remat3d.plan(ParentConcat("instance"), SHAPE, budget="0.8x",
+                        loss_fn=_HeldByAttribute())
+    assert plan.graph_recompute and plan.verified_peak_bytes <= plan.budget_bytes
+
+    def meta_only(out: torch.Tensor) -> torch.Tensor:
+        # stands for any loss that runs on meta (module plans) but not on fake tensors
+        if out.device.type != "meta":
+            raise ValueError("this loss expects the meta device")
+        return out.mean()
+
+    plan = remat3d.plan(ParentConcat("instance"), SHAPE, budget="0.8x", loss_fn=meta_only)
+    assert plan.graph_recompute is None
+    assert any("loss function could not run" in note for note in plan.notes)

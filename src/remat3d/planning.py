@@ -176,12 +176,16 @@ def plan(
             every device. A step that cannot be traced as one graph is planned by its
             modules (with ``graph=True`` a warning names why, and ``strategy="graph"``
             then means ``"optimal"``).
-        compiled: the model will run under ``torch.compile``: the plan is searched and
-            verified as a compiled step runs it, without rebuilt saved tensors
-            (``Plan.rebuild_saved``: saved-tensor hooks, which compiled graphs do not
-            have; NOTE [ Plans under torch.compile ] rule 4), and of modules (their
-            regions compile as checkpoints with no graph break). Planned without it, a
-            compiled step can hold more than the verified peak (a warning says so).
+        compiled: the model will run under ``torch.compile``: a module plan of
+            recompute regions only (they compile as checkpoints, with no graph break;
+            tiled and offload regions would each break the graph, so ``tile`` is off and
+            ``offload`` refused), searched and verified on meta without rebuilt saved
+            tensors (``Plan.rebuild_saved``: saved-tensor hooks, which compiled graphs do
+            not have; NOTE [ Plans under torch.compile ] rule 4). What a compiled step
+            keeps outside the regions is inductor's partitioner's choice, so its peak is
+            measured (``python -m remat3d.bench.compile_check``), not verified. Planned
+            without it, a compiled step can hold more than the verified peak (a warning
+            says so while dynamo traces it).
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -200,6 +204,13 @@ def plan(
     explicit = graph is True or strategy == "graph"  # a graph plan or an error
     if explicit:
         _graph_options(offload=offload, compiled=compiled)
+    if compiled:
+        if offload:
+            raise PlanError(
+                "A plan for torch.compile (compiled=True, --compiled) does not offload: "
+                "offload regions run eagerly, one graph break each. Leave out offload, or "
+                "plan for eager steps.")
+        tile = False  # tiled runs are Python loops: each would break the compiled graph
     chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS and not compiled)
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]

@@ -12,7 +12,7 @@ from torch import nn
 
 import remat3d
 from remat3d import Plan, Region
-from remat3d.errors import PlanError
+from remat3d.errors import InfeasibleBudgetError, PlanError
 from tests.runtime.exactness import train_step
 
 
@@ -170,9 +170,14 @@ def test_a_plan_for_compilation_is_verified_as_it_runs_compiled() -> None:
     assert not plan.rebuild_saved and plan.graph_recompute is None and plan.regions
     assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= plan.budget_bytes
     assert plan == remat3d.plan(net, shape, budget="0.9x", compiled=True, tile=False)  # cached
-    assert remat3d.plan(net, shape, budget="0.9x").graph_recompute  # not compiled: a graph
+    assert remat3d.plan(net, shape, budget="0.9x", tile=False).graph_recompute  # a graph
     with pytest.raises(PlanError, match="not planned for torch.compile"):
         remat3d.plan(net, shape, budget="0.9x", compiled=True, graph=True)
+    with pytest.raises(PlanError, match="does not offload"):
+        remat3d.plan(net, shape, budget="0.9x", compiled=True, offload=True)
+    # tiling is off: below what recompute regions reach, the error says so, not a tile
+    with pytest.raises(InfeasibleBudgetError):
+        remat3d.plan(net, shape, budget="0.5x", compiled=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*compiled=True")  # nothing to warn of
         planned = remat3d.apply(copy.deepcopy(net), plan)

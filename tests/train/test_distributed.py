@@ -112,9 +112,13 @@ def test_ddp_with_a_graph_plan_equals_one_accumulating_process(setup, tmp_path):
                                        "data": str(root / "data" / "dataset.json")}))
     single = run(tmp_path, [sys.executable, "-m", "remat3d"], optimal, "single",
                  "--accumulate=2")
-    out = run(tmp_path, torchrun(), optimal, "ddp", "--distributed=ddp")
-    # rank 0 plans as the single process does (under torchrun its lines are not relayed)
+    logs = tmp_path / "ranks"  # each rank's output, teed to files by torchrun
+    launcher = torchrun()
+    launcher[-2:-2] = [f"--log-dir={logs}", "--tee=3"]
+    out = run(tmp_path, launcher, optimal, "ddp", "--distributed=ddp")
     assert "a graph plan" in " ".join(OUTPUTS[single].split())
+    (rank0,) = logs.glob("**/attempt_0/0/stdout.log")
+    assert "a graph plan" in " ".join(rank0.read_text().split())  # DDP ran one too
     a = torch.load(single / "model.pt", weights_only=True)
     b = torch.load(out / "model.pt", weights_only=True)
     assert all(torch.equal(a[key], b[key]) for key in a)

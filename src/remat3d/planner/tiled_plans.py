@@ -198,9 +198,9 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
     Fused outputs are tried by ``saves`` (per stage index, ``tiling.storing_saves``),
     largest first, those expected to save nothing not at all, and stored where that
     lowers the extra FLOPs; then host outputs, stored where the FLOPs do not grow. A
-    trial is verified only when the output (for a host output, the output and its
-    gradient, which return to the device too) fits the room the budget has left above
-    the verified peak, by the stage model's bytes.
+    trial is verified only when the output and its gradient (stored, both are whole
+    tensors on the device) fit the room the budget has left above the verified peak, by
+    the stage model's bytes.
     """
     by_name = {(st.name, st.call_index): st for st in stages.stages}
     steps = [(r, st) for r in best.regions
@@ -213,7 +213,7 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
 
     def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
         region, st = step
-        added = st.output_bytes * (2 if region.host else 1)
+        added = 2 * st.output_bytes  # the output and its gradient, both whole
         if added > budget - (current.verified_peak_bytes or 0):
             log.info("%s: its output (%s) does not fit the room left; not stored", region.label,
                      format_bytes(added))

@@ -73,6 +73,7 @@ class AppliedPlan:
     # whatever the step does; walking the module tree at every forward costs time)
     weights: dict[int, Any] = field(default_factory=dict)
     root_forward: Any = None  # the model's instance forward before apply (usually none)
+    warned_compiled: bool = False  # _warn_rebuilt_when_compiled said it once
 
 
 def applied_state(model: nn.Module) -> AppliedPlan | None:
@@ -282,17 +283,15 @@ def _unpack(saved: torch.Tensor | Rebuilt) -> torch.Tensor:
     return saved if isinstance(saved, torch.Tensor) else saved.unpack()
 
 
-_WARNED_COMPILED: set[int] = set()  # plans warned of (once each, while dynamo traces)
-
-
-def _warn_rebuilt_when_compiled(plan: Plan) -> None:
-    """A verified plan counting rebuilt saved tensors, run compiled (NOTE [ Plans under
-    torch.compile ] rule 4): its promise does not hold there; say so once (a warning is
-    no graph break)."""
+def _warn_rebuilt_when_compiled(state: AppliedPlan) -> None:
+    """A verified plan counting rebuilt saved tensors, run compiled with grad (NOTE [ Plans
+    under torch.compile ] rule 4): its promise does not hold there; say so once per
+    applied plan (a warning is no graph break)."""
+    plan = state.plan
     if not plan.rebuild_saved or plan.verified_peak_bytes is None or \
-            id(plan) in _WARNED_COMPILED:
+            state.warned_compiled or not torch.is_grad_enabled():
         return
-    _WARNED_COMPILED.add(id(plan))
+    state.warned_compiled = True
     warnings.warn(
         f"This plan was verified at {format_bytes(plan.verified_peak_bytes)} with rebuilt "
         "saved tensors (Plan.rebuild_saved), which a compiled step does not have: under "
@@ -312,7 +311,7 @@ class _LoggedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
         if compiling():  # NOTE [ Plans under torch.compile ] rule 4
-            _warn_rebuilt_when_compiled(state.plan)
+            _warn_rebuilt_when_compiled(state)
             return self.inner(*args, **kwargs)
         if is_recomputing() or not torch.is_grad_enabled() or state.logger is not None:
             return self.inner(*args, **kwargs)

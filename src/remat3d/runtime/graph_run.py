@@ -21,13 +21,16 @@ NOTE [ Running a graph plan ]
   4. A graph is for one input signature (shapes, dtypes, train/eval, grad mode): another
      one raises :class:`PlanError` asking for a new plan, never runs a stale graph. A
      call without grad (inference, validation under ``torch.no_grad``) keeps nothing for
-     a backward: it runs the model's own forward, any shape, as module plans' regions do.
+     a backward: it runs the model's own forward, any shape, as the unplanned model runs
+     it (under the caller's autocast, if any; the plan's own autocast rules are for its
+     training step), as module plans' regions do.
   7. The first call traces the step on fake copies of the parameters, buffers and inputs,
      outside every dispatch mode, before it runs on the real ones: a tracker around a
      training step (the trainer measures each shape's first steps) sees the step, not the
      trace, and tracing allocates nothing.
-  5. A plan made for ``amp`` runs its forward under CUDA autocast's rules wherever it
-     runs (``capture/joint.py``, NOTE rule 6): a caller's ``torch.autocast`` of the same
+  5. A plan made for ``amp`` runs its training step's forward under CUDA autocast's
+     rules wherever it runs (``capture/joint.py``, NOTE rule 6; a call without grad is
+     rule 4's): a caller's ``torch.autocast`` of the same
      dtype changes nothing, one of another dtype, or autocast around a plan made for full
      precision, is refused by name; the graph traced must be the graph planned
      (``graph_digest``), or the step raises instead of running another graph's plan.
@@ -60,7 +63,7 @@ from remat3d.capture.joint import (
     swapped_weights,
     tracing_errors,
 )
-from remat3d.errors import PlanError
+from remat3d.errors import CaptureError, PlanError, Remat3dError, quoted
 from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
 
@@ -293,9 +296,9 @@ class _GraphPlan:
                     f"This graph plan was made for inputs of shape {self.input_shapes}; the "
                     f"model got {shapes}. A graph is for one input shape: plan this one."
                 )
-            self.signature = signature
             with tracing_errors(self.model):
                 self._trace(args)
+                self.signature = signature  # traced: later calls run the graphs
                 return self.step(*args)
         if signature != self.signature:
             raise PlanError(
@@ -367,8 +370,18 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
     # constant, a torch.tensor(2.0) in forward, is a real tensor it cannot copy under it)
     output = fake_model(*fake_inputs)
     with targets.allowing_real():
-        with targets:
-            value = loss(output)
+        try:
+            with targets:
+                value = loss(output)
+        except Remat3dError:
+            raise
+        except Exception as exc:  # the caller plans the modules instead (CaptureError)
+            raise CaptureError(
+                f"The loss function could not run on the graph plan's step on fake tensors: "
+                f"{type(exc).__name__}: {quoted(exc) or 'no message'} Graph plans run the "
+                "loss on fake tensors of the model's device; keep its targets as tensors it "
+                "holds (a closure, a functools.partial) or on the meta device."
+            ) from exc
         value.backward()
     del output, value
     for p in fake_model.parameters():
@@ -398,8 +411,9 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
 class _LossTargets(TorchFunctionMode):
     """The tensors a loss function holds (its targets: ``instrument/step.held_tensors``)
     replaced, in the ops the loss runs, by fake tensors of the measured step's device
-    (NOTE rule 6). A planning loss holds a meta label (the trainer's, module plans are
-    verified on meta) or a real one; the graph plan's step runs on fake tensors of the
+    (NOTE rule 6), and so is any other meta tensor its ops read (a label held as a
+    global or an attribute). A planning loss holds a meta label (the trainer's, module
+    plans are verified on meta) or a real one; the graph plan's step runs on fake tensors of the
     model's device, where either would be refused by the fake mode or mixed devices. The
     values do not matter for memory; the fakes are registered with the tracker from the
     step's start, as module plans' steps count the targets.
@@ -417,18 +431,23 @@ class _LossTargets(TorchFunctionMode):
         mode = like.fake_mode  # type: ignore[attr-defined]
         self._mode = mode
         self._stack = contextlib.ExitStack()
+        self._device = like.device
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for t in held_tensors(loss):
-            if isinstance(t, FakeTensor) and t.fake_mode is mode:
-                continue
-            meta = torch.empty_like(t, device="meta")
-            fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, like.device)
-            fake.requires_grad_(t.requires_grad)
-            self._held[id(t)] = (t, fake)
+            if not isinstance(t, FakeTensor):
+                self._held[id(t)] = (t, self._fake(t))
+        self._counted = len(self._held)
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        meta = torch.empty_like(t, device="meta")
+        fake = self._mode.fake_tensor_converter.from_meta_and_device(self._mode, meta,
+                                                                     self._device)
+        return fake.requires_grad_(t.requires_grad) if fake.is_leaf else fake
 
     @property
     def fakes(self) -> list[torch.Tensor]:
-        return [fake for _, fake in self._held.values()]
+        """The fakes of the tensors the loss holds (counted from the step's start)."""
+        return [fake for _, fake in list(self._held.values())[:self._counted]]
 
     @contextlib.contextmanager
     def allowing_real(self) -> Iterator[None]:
@@ -456,10 +475,16 @@ class _LossTargets(TorchFunctionMode):
             self._stack.close()
 
     def _swap(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor):
             pair = self._held.get(id(x))
             if pair is not None and pair[0] is x:
                 return pair[1]
+            if x.device.type == "meta":  # a target held otherwise (a global, an attribute):
+                # a fake of the step's device too, made when first read (the original is
+                # kept with it, so its id is not reused); not counted from the start,
+                # as module plans' steps do not find it either
+                self._held[id(x)] = (x, self._fake(x))
+                return self._held[id(x)][1]
         return x
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
