@@ -41,8 +41,9 @@ def plan_command(
         "a parent's own cat or add included; recompute only, no --offload). --no-graph: "
         "module plans only. Default: optimal plans the graph where a graph plan fits.")),
     compiled: bool = typer.Option(False, "--compiled", help=(
-        "The model will run under torch.compile: plan and verify the step as it runs "
-        "compiled (module plans, no rebuilt saved tensors).")),
+        "The model will run under torch.compile: recompute regions only (no tiling or "
+        "offload: each breaks the graph), verified without rebuilt saved tensors, which "
+        "compiled graphs do not have.")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
