@@ -188,7 +188,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
 def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Check,
                         saves: list[float]) -> Plan:
     """A tiled plan's fused and host-resident outputs stored on the device where the
-    verified peak still fits (NOTE [ Tiling layouts ] rule 8), costliest stage first.
+    verified peak still fits (NOTE [ Tiling layouts ] rule 8), the largest expected
+    saving first.
 
     A layout fuses or hosts its tiled outputs all alike (rule 3), and the first layout
     that fits is taken, so it may leave room: nnU-Net v2 at 512³ bf16 with a 24 GiB budget

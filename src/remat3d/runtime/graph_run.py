@@ -24,10 +24,6 @@ NOTE [ Running a graph plan ]
      a backward: it runs the model's own forward, any shape, as the unplanned model runs
      it (under the caller's autocast, if any; the plan's own autocast rules are for its
      training step), as module plans' regions do.
-  7. The first call traces the step on fake copies of the parameters, buffers and inputs,
-     outside every dispatch mode, before it runs on the real ones: a tracker around a
-     training step (the trainer measures each shape's first steps) sees the step, not the
-     trace, and tracing allocates nothing.
   5. A plan made for ``amp`` runs its training step's forward under CUDA autocast's
      rules wherever it runs (``capture/joint.py``, NOTE rule 6; a call without grad is
      rule 4's): a caller's ``torch.autocast`` of the same
@@ -39,6 +35,10 @@ NOTE [ Running a graph plan ]
      the second, the output held through backward as everywhere else. A loss function's
      own targets (a meta or real label it closes over) are fakes of the step's device in
      the ops it runs (``_LossTargets``), counted from the step's start.
+  7. The first call traces the step on fake copies of the parameters, buffers and inputs,
+     outside every dispatch mode, before it runs on the real ones: a tracker around a
+     training step (the trainer measures each shape's first steps) sees the step, not the
+     trace, and tracing allocates nothing.
 """
 
 from __future__ import annotations
