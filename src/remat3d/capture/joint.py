@@ -70,6 +70,7 @@ __all__ = [
     "PartitionFn",
     "aot_step",
     "capture",
+    "fake_like",
     "fake_step",
     "graph_digest",
     "op_graph",
@@ -334,6 +335,12 @@ def tracing_errors(model: nn.Module) -> Iterator[None]:
         ) from exc
 
 
+def fake_like(mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``mode`` with ``t``'s shape, dtype and strides, on ``device``."""
+    meta = torch.empty_like(t, device="meta")
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+
+
 def fake_step(model: nn.Module, inputs: tuple, device: str | None = None,
               ) -> tuple[nn.Module, tuple]:
     """A structural copy of ``model`` and ``inputs`` (tensors or shapes) made of fake
@@ -350,8 +357,7 @@ def fake_step(model: nn.Module, inputs: tuple, device: str | None = None,
     target = torch.device(device)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
-        meta = torch.empty_like(t, device="meta")
-        return mode.fake_tensor_converter.from_meta_and_device(mode, meta, target)
+        return fake_like(mode, t, target)
 
     memo: dict[int, Any] = {}
     for p in model.parameters():

@@ -36,6 +36,7 @@ from remat3d.planner.tiled_plans import (
     first_fitting_layout,
     greedy_prune,
     prune_tiled,
+    staged_regions,
     store_tiled_outputs,
     untile_where_room,
 )
@@ -217,9 +218,8 @@ class _Search:
             smallest = min(smallest, tiled_smallest)
             if tiled is not None:
                 saves = storing_saves(self.p.graph, self.stages, {
-                    st.index for st in self.stages.stages if any(
-                        r.decision == Decision.TILE and r.module == st.name
-                        and (r.calls or [0])[0] == st.call_index for r in tiled.regions)})
+                    st.index for r, st in staged_regions(tiled, self.stages)
+                    if r.decision == Decision.TILE})
                 # NOTE [ Tiling layouts ] rules 8, 9 and 4: the room the layout left
                 tiled = store_tiled_outputs(tiled, self.budget, self.stages, self.check,
                                             saves)

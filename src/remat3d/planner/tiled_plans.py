@@ -21,7 +21,8 @@ from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
 __all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
-           "layout_regions", "prune_tiled", "store_tiled_outputs", "untile_where_room"]
+           "layout_regions", "prune_tiled", "staged_regions", "store_tiled_outputs",
+           "untile_where_room"]
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,8 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
     tensors on the device) fit the room the budget has left above the verified peak, by
     the stage model's bytes.
     """
-    by_name = {(st.name, st.call_index): st for st in stages.stages}
-    steps = [(r, st) for r in best.regions
+    steps = [(r, st) for r, st in staged_regions(best, stages)
              if r.decision == Decision.TILE and (r.fuse or r.host)
-             and (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None
              and (r.host or saves[st.index] > 0)]
     # fused first, the largest saving first; then host outputs, the largest first
     steps.sort(key=lambda pair: (pair[0].host, -saves[pair[1].index], -pair[1].output_bytes,
@@ -249,15 +248,12 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     verified only when the stage's recomputation working set above its input (the stage
     model's; all it saves, when kept) fits the room the budget has left above the
     verified peak."""
-    by_name = {(st.name, st.call_index): st for st in stages.stages}
-    deferred = {st.index for r in best.regions if r.decision == Decision.TILE
-                and (r.fuse or r.host)
-                and (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None}
+    tiled = [(r, st) for r, st in staged_regions(best, stages) if r.decision == Decision.TILE]
+    deferred = {st.index for r, st in tiled if r.fuse or r.host}
     reading = {s for d in deferred for s in readers[d] if s is not None}
     floor = (best.step_flops or 0) / 100
-    steps = [(r, st) for r in best.regions
-             if r.decision == Decision.TILE and not (r.fuse or r.host) and not r.segment
-             and (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None
+    steps = [(r, st) for r, st in tiled
+             if not (r.fuse or r.host) and not r.segment
              and st.index not in reading and st.fwd_flops * (1 + norms[st.index]) >= floor]
     steps.sort(key=lambda pair: (-pair[1].fwd_flops * (1 + norms[pair[1].index]),
                                  pair[1].index))
@@ -283,6 +279,14 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     return greedy_prune(best, steps, trials, cheaper)
 
 
+def staged_regions(plan: Plan, stages: StageModel) -> list[tuple[Region, Stage]]:
+    """Each of ``plan``'s regions with the stage it runs (by module and first call; a
+    region of no stage is left out)."""
+    by_name = {(st.name, st.call_index): st for st in stages.stages}
+    return [(r, st) for r in plan.regions
+            if (st := by_name.get((r.module, (r.calls or [0])[0]))) is not None]
+
+
 def _same(a: Region, b: Region) -> bool:
     """Whether two regions are the same stage's (the plan's edits replace regions)."""
     return (a.module, a.calls, a.segment) == (b.module, b.calls, b.segment)
@@ -302,16 +306,10 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
     first tried at once (one verification where the layout left room); the others, or
     all of them when that does not fit, one at a time.
     """
-    by_name = {(st.name, st.call_index): st for st in stages.stages}
-
-    def stage_of(r: Region) -> Stage | None:
-        if r.decision != RECOMPUTE or r.segment or r.policy is not None:
-            return None
-        return by_name.get((r.module, (r.calls or [0])[0]))
-
     floor = (best.step_flops or 0) // 100
-    recomputed = [(r, st) for r in best.regions
-                  if (st := stage_of(r)) is not None and st.fwd_flops >= floor]
+    recomputed = [(r, st) for r, st in staged_regions(best, stages)
+                  if r.decision == RECOMPUTE and not r.segment and r.policy is None
+                  and st.fwd_flops >= floor]
 
     def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
         region, st = step

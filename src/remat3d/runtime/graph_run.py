@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_map
 from remat3d.capture.joint import (
     aot_step,
     batch_norm_in_training,
+    fake_like,
     fake_step,
     graph_digest,
     swapped_weights,
@@ -439,9 +440,7 @@ class _LossTargets(TorchFunctionMode):
         self._counted = len(self._held)
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
-        meta = torch.empty_like(t, device="meta")
-        fake = self._mode.fake_tensor_converter.from_meta_and_device(self._mode, meta,
-                                                                     self._device)
+        fake = fake_like(self._mode, t, self._device)
         return fake.requires_grad_(t.requires_grad) if fake.is_leaf else fake
 
     @property
