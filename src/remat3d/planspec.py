@@ -59,6 +59,11 @@ class Region:
             tiled regions that read it copy their tiles' slices to the device, anything
             else copies it to the device when it first needs it (NOTE [ Host-resident
             tiled outputs ] in ``runtime/tiling/host.py``).
+        stash: a ``"tile"`` region whose normalisations' inputs are kept whole while the
+            passes that read them run, on the ``"device"`` or in ``"host"`` memory, so
+            that each pass starts from the last one instead of recomputing from the
+            region's inputs (NOTE [ Stashed passes ] in ``runtime/tiling/tiled.py``):
+            fewer FLOPs for more memory. ``None``: every pass starts from the inputs.
     """
 
     module: str
@@ -70,6 +75,7 @@ class Region:
     tile: list[int] | None = None
     fuse: bool = False
     host: bool = False
+    stash: str | None = None
 
     @property
     def label(self) -> str:
@@ -111,6 +117,11 @@ class Region:
             raise PlanError(f"Region {self.label}: host applies to tiled regions that are "
                             f"not fused (decision 'tile', fuse False); got decision "
                             f"{self.decision!r}, fuse {self.fuse}.")
+        if self.stash is not None and (self.decision != Decision.TILE
+                                       or self.stash not in ("device", "host")):
+            raise PlanError(f"Region {self.label}: stash is 'device' or 'host' and applies "
+                            f"to tiled regions only; got stash {self.stash!r}, decision "
+                            f"{self.decision!r}.")
         if self.decision == Decision.TILE and (self.policy is not None or self.storage_dtype):
             raise PlanError(f"Region {self.label}: a tiled region takes no op policy or "
                             "storage dtype (it keeps only its inputs).")
@@ -274,6 +285,8 @@ class Plan:
                 extra += " fused"
             if region.host:
                 extra += " output on host"
+            if region.stash:
+                extra += f" stash on {region.stash}"
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
         named = {r.module for r in self.regions}
         for parent, spans in self.spans.items():  # the spans regions name (runtime/spans.py)

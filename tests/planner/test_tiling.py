@@ -373,7 +373,7 @@ def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_
         plan.extra_flops = 1000 - 300 * ("stem" not in fused) - 1 * ("up" not in fused)
         return plan
 
-    roomy = 100 + 2 * stages.stages[index["stem"]].output_bytes  # the output and its grad
+    roomy = 100 + stages.stages[index["stem"]].output_bytes  # the output, stored
     chosen = store_tiled_outputs(start, roomy, stages, check, saves)
     assert verified == [["up"]]  # only the skip is tried; the head's input stays fused
     assert [r.module for r in chosen.regions if r.fuse] == ["up"]
@@ -446,4 +446,53 @@ def test_tiled_stages_run_whole_where_room_allows_most_passes_first(graph_and_st
     verified.clear()
     big = dataclasses.replace(start, step_flops=10**15)
     assert untile_where_room(big, 10**12, stages, check, norms, readers) is big
+    assert verified == []
+
+
+def test_runs_stash_on_the_device_where_room_allows_most_passes_first(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 10 without offload: each tiled run with normalisations
+    (its own or a fused producer's) stashes on the device where the verified peak still
+    fits and the extra FLOPs fall, the most passes saved first; a fused stage is not a
+    run of its own; no trial is verified without room for its normalisation inputs."""
+    from remat3d.planner.tiled_plans import layout_regions, stash_where_room
+    from remat3d.planner.tiling import stage_norms
+    from remat3d.planspec import Plan
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    norms, readers = stage_norms(graph, stages), stage_readers(graph, stages)
+    lay = next(lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+               if lay.depth == 1 and lay.fuse == "chain")
+    start = Plan(regions=layout_regions(stages, lay), verified_peak_bytes=100,
+                 extra_flops=1000, step_flops=1)
+    verified: list[list[str]] = []
+
+    def check(plan: Plan) -> Plan:
+        stashed = sorted(r.module for r in plan.regions if r.stash)
+        verified.append(stashed)
+        plan.verified_peak_bytes = 100 + 10 * len(stashed)
+        plan.extra_flops = 1000 - 100 * len(stashed) - 50 * ("down" in stashed)
+        return plan
+
+    def saved(name: str) -> int:  # the head computes the fused "up" (a norm) in its run
+        run = ["up", "head"] if name == "head" else [name]
+        return sum(stages.stages[names.index(n)].fwd_flops * norms[names.index(n)]
+                   for n in run)
+
+    order = sorted(("stem", "down", "head"), key=lambda n: -saved(n))
+    chosen = stash_where_room(start, 10**12, stages, check, norms, readers)
+    assert [v[-1] if len(v) == 1 else None for v in verified[:1]] == [order[0]]
+    assert len(verified) == 3 and verified[-1] == sorted(order)
+    assert {r.module for r in chosen.regions if r.stash == "device"} == {"stem", "down", "head"}
+    assert chosen.extra_flops == 650 and chosen.verified_peak_bytes == 130
+    verified.clear()
+    assert stash_where_room(start, 100, stages, check, norms, readers) is start  # no room
+    assert verified == []
+    # with offload every layout's runs stash on the host already (a fused stage runs in
+    # its reader's run): nothing to try
+    hosted = Plan(regions=layout_regions(stages, lay, stash="host"), verified_peak_bytes=100,
+                  extra_flops=1000, step_flops=1)
+    assert {r.module for r in hosted.regions if r.stash == "host"} == {"stem", "down", "head"}
+    verified.clear()
+    assert stash_where_room(hosted, 10**12, stages, check, norms, readers) is hosted
     assert verified == []

@@ -86,7 +86,8 @@ def plan_command(
         detail = str(region.policy or "")
         if region.tile:
             detail = format_shape(region.tile) + (" fused" if region.fuse else "") \
-                + (" output on host" if region.host else "")
+                + (" output on host" if region.host else "") \
+                + (f" stash on {region.stash}" if region.stash else "")
         table.add_row(region.label, region.decision, detail)
     if result.graph_recompute is None:
         console.print(table)

@@ -37,6 +37,7 @@ from remat3d.planner.tiled_plans import (
     greedy_prune,
     prune_tiled,
     staged_regions,
+    stash_where_room,
     store_tiled_outputs,
     untile_where_room,
 )
@@ -123,7 +124,7 @@ class _Search:
         assert self.p.verify is not None
         signature = (candidate.prefetch, candidate.rebuild_saved, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
-             str(r.policy), tuple(r.tile or ()), r.fuse, r.host)
+             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.stash)
             for r in candidate.regions))
         if signature not in self.measured_plans:
             self.measured_plans[signature] = self.p.verify(candidate)
@@ -209,12 +210,17 @@ class _Search:
         if verify and self.p.tileable is not None:
             # below every plan of keep / recompute / offload decisions: tile
             ok = self.p.tileable()
+            norms = stage_norms(self.p.graph, self.stages)
+            readers = stage_readers(self.p.graph, self.stages)
+            offload = self.p.options.offload
             tiled, tiled_smallest = first_fitting_layout(
-                layouts(self.p.graph, self.stages, ok, host=self.p.options.offload),
+                layouts(self.p.graph, self.stages, ok, host=offload),
                 self.stages, self.p.options, self.p.header.host_budget_bytes, self.budget,
                 self.fresh, self.check,
                 extend=lambda layout, module: extend_layout(self.p.graph, self.stages, ok,
-                                                            layout, module))
+                                                            layout, module),
+                # NOTE [ Tiling layouts ] rule 10: with offload, runs stash on the host
+                stash="host" if offload else None)
             smallest = min(smallest, tiled_smallest)
             if tiled is not None:
                 saves = storing_saves(self.p.graph, self.stages, {
@@ -224,9 +230,9 @@ class _Search:
                 tiled = store_tiled_outputs(tiled, self.budget, self.stages, self.check,
                                             saves)
                 tiled = untile_where_room(tiled, self.budget, self.stages, self.check,
-                                          stage_norms(self.p.graph, self.stages),
-                                          stage_readers(self.p.graph, self.stages),
-                                          self.p.options.recomputable)
+                                          norms, readers, self.p.options.recomputable)
+                tiled = stash_where_room(tiled, self.budget, self.stages, self.check, norms,
+                                         readers)
                 return prune_tiled(tiled, self.budget, self.stages, self.check)
         raise self.infeasible(smallest)
 

@@ -21,8 +21,8 @@ from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
 __all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
-           "layout_regions", "prune_tiled", "staged_regions", "store_tiled_outputs",
-           "untile_where_room"]
+           "layout_regions", "prune_tiled", "staged_regions", "stash_where_room",
+           "store_tiled_outputs", "untile_where_room"]
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,12 @@ def extra_cost(p: Plan) -> int:
 
 
 def layout_regions(stages: StageModel, layout: Layout,
-                   recomputable: list[bool] | None = None) -> list[Region]:
+                   recomputable: list[bool] | None = None,
+                   stash: str | None = None) -> list[Region]:
     """A tiling layout as plan regions: its stages tiled (and fused), every other stage
-    recomputed where it may be (NOTE [ Tiling layouts ] rule 4)."""
+    recomputed where it may be (NOTE [ Tiling layouts ] rule 4); ``stash``: where each
+    tiled run (every tiled stage but the fused ones, which run in their readers' runs)
+    keeps its normalisations' inputs (rule 10; a run without any keeps nothing)."""
     ok = recomputable or [True] * len(stages.stages)
     regions = []
     for st in stages.stages:
@@ -46,7 +49,8 @@ def layout_regions(stages: StageModel, layout: Layout,
             size, output = layout.tiled[st.index]
             regions.append(Region(st.name, calls=[st.call_index], decision=Decision.TILE,
                                   tile=list(size), fuse=output == TiledOutput.FUSED,
-                                  host=output == TiledOutput.HOST))
+                                  host=output == TiledOutput.HOST,
+                                  stash=None if output == TiledOutput.FUSED else stash))
         elif ok[st.index]:
             regions.append(Region(st.name, calls=[st.call_index]))
     return regions
@@ -86,7 +90,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                          options: PlannerOptions, host_budget: int | None, budget: int,
                          fresh: Callable[[list[Region]], Plan], check: Check,
                          extend: Callable[[Layout, str | None], Layout | None] | None = None,
-                         max_repairs: int = 3) -> tuple[Plan | None, int]:
+                         max_repairs: int = 3, stash: str | None = None
+                         ) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
     verified peak fits ``budget`` (and whose host memory fits ``host_budget``), and the
     smallest verified peak among those tried that fit the host budget.
@@ -99,7 +104,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     does not tile is repaired (rule 7): ``extend(layout, peak_module)`` is it with that
     stage tiled too, verified before the next group of layouts (up to ``max_repairs``
     stages added, while the peak goes down). ``fresh(regions)`` makes a plan with the
-    search's header fields."""
+    search's header fields; ``stash`` as ``layout_regions`` takes it."""
     ordered = list(candidates)
     smallest = 1 << 62
     measured: dict[tuple, Plan | None] = {}  # layout -> verified plan that fits, else None
@@ -112,7 +117,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         if key in measured:
             return measured[key]
         nonlocal smallest
-        candidate = fresh(layout_regions(stages, layout, options.recomputable))
+        candidate = fresh(layout_regions(stages, layout, options.recomputable, stash))
         candidate.notes.append(f"tiling layout: {layout.label}")
         measured[key] = None
         try:
@@ -200,9 +205,8 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
     Fused outputs are tried by ``saves`` (per stage index, ``tiling.storing_saves``),
     largest first, those expected to save nothing not at all, and stored where that
     lowers the extra FLOPs; then host outputs, stored where the FLOPs do not grow. A
-    trial is verified only when the output and its gradient (stored, both are whole
-    tensors on the device) fit the room the budget has left above the verified peak, by
-    the stage model's bytes.
+    trial is verified only when the output (stored, a whole tensor on the device) fits
+    the room the budget has left above the verified peak, by the stage model's bytes.
     """
     steps = [(r, st) for r, st in staged_regions(best, stages)
              if r.decision == Decision.TILE and (r.fuse or r.host)
@@ -213,7 +217,10 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
 
     def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
         region, st = step
-        added = 2 * st.output_bytes  # the output and its gradient, both whole
+        # the output, whole from its forward to its readers' backward (its gradient, whole
+        # too, need not be alive at the peak: ResEnc-L at 512³, 24 GiB, stores a 2 GiB
+        # output for 0.95 GiB more)
+        added = st.output_bytes
         if added > budget - (current.verified_peak_bytes or 0):
             log.info("%s: its output (%s) does not fit the room left; not stored", region.label,
                      format_bytes(added))
@@ -270,6 +277,59 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         log.info("trying %s run whole", region.label)
         whole = [Region(st.name, calls=[st.call_index])] if recompute else []
         regions = [w for r in current.regions for w in (whole if _same(r, region) else [r])]
+        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
+
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        return (candidate.verified_peak_bytes or 0) <= budget and \
+            extra_cost(candidate) < extra_cost(current)
+
+    return greedy_prune(best, steps, trials, cheaper)
+
+
+def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
+                     norms: list[int], readers: list[set[int | None]]) -> Plan:
+    """A tiled plan's runs with normalisations that stash nothing, stashing their inputs
+    on the device where the verified peak still fits and the extra FLOPs fall (NOTE
+    [ Tiling layouts ] rule 10), the most passes saved first (the forward FLOPs of each
+    stage of the run, its own and the fused producers' it computes, times its
+    normalisations; ``norms`` per stage index, ``tiling.stage_norms``), none that would
+    save under 1 % of the step's FLOPs. A trial is verified only when the run's
+    normalisation inputs, all of them whole at once (by the stage model's output bytes of
+    each stage), fit the room the budget has left above the verified peak."""
+    staged = staged_regions(best, stages)
+    fused = {st.index for r, st in staged if r.decision == Decision.TILE and r.fuse}
+
+    def run_of(st: Stage) -> list[Stage]:  # the stage and the fused producers it computes
+        run, todo = [st], [st.index]
+        while todo:
+            reader = todo.pop()
+            for p in fused:
+                if reader in readers[p] and all(q.index != p for q in run):
+                    run.append(stages.stages[p])
+                    todo.append(p)
+        return run
+
+    floor = (best.step_flops or 0) / 100
+    steps = []
+    for r, st in staged:
+        if r.decision != Decision.TILE or r.fuse or r.stash is not None:
+            continue
+        run = run_of(st)
+        saves = sum(s.fwd_flops * norms[s.index] for s in run)
+        if saves >= floor:
+            steps.append((r, sum(s.output_bytes * norms[s.index] for s in run), saves))
+    steps.sort(key=lambda step: -step[2])
+
+    def trials(step: tuple[Region, int, float], current: Plan) -> Iterator[Plan]:
+        region, added, _ = step
+        if added > budget - (current.verified_peak_bytes or 0):
+            log.info("%s: its normalisation inputs (%s) do not fit the room left; not "
+                     "stashed", region.label, format_bytes(added))
+            return
+        log.info("trying %s with its normalisation inputs stashed on the device",
+                 region.label)
+        regions = [dataclasses.replace(r, stash="device") if _same(r, region) else r
+                   for r in current.regions]
         yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:

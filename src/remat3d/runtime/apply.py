@@ -404,8 +404,9 @@ class _PlannedForward:
         # where the run computes: the module's own device (its inputs may be in host memory)
         device = model_device(self.module)
         if region.fuse or region.host:
-            return defer(fn, inputs, edge, region.label, host=region.host, device=device)
-        return tile(fn, *inputs, tile=edge, device=device)
+            return defer(fn, inputs, edge, region.label, host=region.host, device=device,
+                         stash=region.stash)
+        return tile(fn, *inputs, tile=edge, device=device, stash=region.stash)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

@@ -33,6 +33,7 @@ NOTE [ Exact tiles ]
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,9 +53,11 @@ from remat3d.instrument.tensors import tensors_in
 from remat3d.runtime.tiling.signatures import bind, func_name
 from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp
 
-__all__ = ["REGION", "StopPass", "crop", "region_of"]
+__all__ = ["REGION", "REPLACE", "SKIP", "Stashing", "StopPass", "crop", "region_of"]
 
 REGION = "_remat3d_tile_region"
+SKIP = "skip"        # an op whose result the pass does not need: an uninitialised tensor
+REPLACE = "replace"  # an op whose result is stashed: read from the stash, not computed
 
 
 class StopPass(Exception):
@@ -87,6 +90,18 @@ def _mark(out: Any, region: Region) -> Any:
         if t.dim() == 5:
             setattr(t, REGION, region)
     return out
+
+
+@dataclass
+class Stashing:
+    """What one pass of one tile does with stashed tensors (NOTE [ Stashed passes ] in
+    ``tiled.py``): which ops it skips or reads from a stash, the stashes it reads (node
+    -> the whole tensor) and those it fills at the tile's owned region (normalisation
+    ordinal -> the whole tensor of that normalisation's input)."""
+
+    actions: dict[int, str]
+    read: dict[int, torch.Tensor] = field(default_factory=dict)
+    write: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Stats:
@@ -185,7 +200,8 @@ class TileMode(TorchFunctionMode):
 
     def __init__(self, trace: Trace, plan: dict[int, Region], stats: Sequence[Stats],
                  owned: dict[int, Region], stop_at: int | None = None,
-                 capture: int | None = None) -> None:
+                 capture: int | None = None, stashing: Stashing | None = None,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         self.trace = trace
         self.plan = plan
@@ -194,6 +210,8 @@ class TileMode(TorchFunctionMode):
         self.stop_at = stop_at      # norm ordinal whose statistics this pass gathers
         self.capture = capture      # norm ordinal whose normalised tile backward wants
         self.captured: torch.Tensor | None = None
+        self.stashing = stashing
+        self.device = device
         self.index = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -214,8 +232,32 @@ class TileMode(TorchFunctionMode):
         op = ops[self.index]
         self.index += 1
         want = self.plan[op.spatial.output]
+        action = self.stashing.actions.get(self.index - 1) if self.stashing else None
+        if action == SKIP:
+            return _mark(self._placeholder(op, want), want)
+        if action == REPLACE:
+            return _mark(self._stashed(op, want), want)
         handler = getattr(self, "_" + op.role)
         return _mark(handler(op, func, args, kwargs, want), want)
+
+    # -- stashed passes (NOTE [ Stashed passes ] in tiled.py) ---------------------------
+    def _placeholder(self, op: TracedOp, want: Region) -> torch.Tensor:
+        """A result no op of this pass reads: uninitialised, no compute."""
+        node = op.spatial.output
+        extent = tuple(hi - lo for lo, hi in want)
+        return torch.empty((*self.trace.leading[node], *extent), dtype=self.trace.dtypes[node],
+                           device=self.device)
+
+    def _stashed(self, op: TracedOp, want: Region) -> torch.Tensor:
+        """``op``'s result over ``want``, copied from its stash (a leaf: with grad in a
+        backward pass, so the pass differentiates from here on)."""
+        from remat3d.runtime.tiling.host import is_host, to_device
+
+        assert self.stashing is not None and self.device is not None
+        whole = self.stashing.read[op.spatial.output]
+        piece = crop(whole, tuple((0, n) for n in whole.shape[2:]), want)
+        value = to_device(piece, self.device) if is_host(whole) else piece.clone()
+        return value.requires_grad_(torch.is_grad_enabled())
 
     # -- window ops (NOTE rule 1) -----------------------------------------------------
     def _window(self, op: TracedOp, x: torch.Tensor, want: Region, fill: float
@@ -311,6 +353,12 @@ class TileMode(TorchFunctionMode):
         j = op.norm_index
         assert j is not None
         stats = self.stats[j]
+        if self.stashing is not None and j in self.stashing.write:
+            owned = self.owned[j]
+            if region_size(owned):
+                whole = self.stashing.write[j]
+                crop(whole, tuple((0, n) for n in whole.shape[2:]), owned).copy_(
+                    crop(x, region_of(x), owned).detach())
         if self.stop_at == j:
             if spec.updates_running:
                 stats.running = (b["running_mean"], b["running_var"], b["momentum"])

@@ -53,17 +53,19 @@ class Deferred(torch.Tensor):
     _value: torch.Tensor | None
     _host: bool
     _host_value: torch.Tensor | None
+    _stash: str | None
 
     @staticmethod
     def __new__(cls, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
                 shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                label: str = "", host: bool = False) -> Deferred:
+                label: str = "", host: bool = False, stash: str | None = None) -> Deferred:
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype,  # type: ignore[attr-defined]
                                                 device=device)
         t._recipe = (fn, tuple(inputs), tile, label)
         t._value = None
         t._host = host
         t._host_value = None
+        t._stash = stash
         return t
 
     @property
@@ -79,7 +81,8 @@ class Deferred(torch.Tensor):
                 from remat3d.runtime.tiling.tiled import tile
 
                 fn, inputs, size, _ = self._recipe
-                self._value = tile(fn, *inputs, tile=size, device=self.device)
+                self._value = tile(fn, *inputs, tile=size, device=self.device,
+                                   stash=self._stash)
         return self._value
 
     def host_value(self) -> torch.Tensor:
@@ -89,7 +92,8 @@ class Deferred(torch.Tensor):
             from remat3d.runtime.tiling.tiled import tile
 
             fn, inputs, size, _ = self._recipe
-            self._host_value = tile(fn, *inputs, tile=size, host=True, device=self.device)
+            self._host_value = tile(fn, *inputs, tile=size, host=True, device=self.device,
+                                    stash=self._stash)
         return self._host_value
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -180,11 +184,12 @@ def _pending(a: Any) -> bool:
 
 
 def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
-          label: str = "", *, host: bool = False, device: torch.device | None = None
-          ) -> Deferred:
+          label: str = "", *, host: bool = False, device: torch.device | None = None,
+          stash: str | None = None) -> Deferred:
     """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` on ``device`` (with
-    its output in host memory: ``host``); its shape and dtype come from a trace on fake
-    tensors (no memory, no compute)."""
+    its output in host memory: ``host``; ``stash`` as ``remat3d.tile`` takes it, when it
+    runs by itself: folded into a reader's run, the reader's stash applies); its shape and
+    dtype come from a trace on fake tensors (no memory, no compute)."""
     from remat3d.instrument.state import recomputing
     from remat3d.runtime.tiling.trace import TilingError, trace
 
@@ -196,4 +201,4 @@ def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
         raise TilingError(f"Tiled region {label or fn!r} returns several tensors; only a "
                           f"region with one output can be {what}. Set {fix}.")
     return Deferred(fn, inputs, tile, tr.out_shapes[0], tr.out_dtypes[0], device, label,
-                    host)
+                    host, stash)

@@ -28,6 +28,31 @@ NOTE [ Tiled backward ]
      modules inside the run fire once per tile in that pass.
   Cost: with k normalisations, forward runs k + 1 partial passes, backward k + 1
   recomputations and k partial backwards; halos add the overlap (``docs/tiling.md``).
+  NOTE [ Stashed passes ] takes most of the repeated passes away, for memory.
+
+NOTE [ Stashed passes ]
+  ``stash="device"`` or ``"host"``: a pass need not start from the run's inputs when the
+  input of an earlier normalisation is kept whole (its *stash*), on the device or in host
+  memory (NOTE [ Host-resident tiled outputs ] for how host tensors are read).
+  1. Forward: the statistics pass of normalisation j writes each tile's owned part of its
+     input into stash j. Later passes read it: the op that produced that input returns
+     the tile's slice of the stash (halo included: the stash is whole when read), and the
+     ops only it needed are skipped (they return uninitialised tensors of the right shape;
+     nothing reads them). A stash is freed after the last pass that reads it; none
+     outlives the forward. So each op runs about once forward instead of once per pass.
+  2. Backward: the sums pass of the last normalisation runs every tile from the inputs and
+     writes the stashes of the earlier normalisations; the sums pass of normalisation j
+     then starts from stash j (a leaf with grad: the pass differentiates from there to its
+     outputs, all its sums need). The final pass recomputes from the inputs (it needs the
+     parameters' and inputs' gradients), with no stash alive.
+  3. Only a normalisation input that an op of the run produces alone (not a run input, not
+     written in place, not one of several results) is stashed; the others are recomputed
+     as without stashes. Values are those the owning tile computed: every position has one
+     value in every pass (without stashes each tile recomputes its halo itself; the two
+     agree up to rounding order, as tiles always do).
+  Cost: a stage of two convolutions and two normalisations runs 2 convolutions forward
+  instead of 5, and 10 convolution-equivalents backward instead of 11; the price is the
+  stashes' memory while its passes run.
 """
 
 from __future__ import annotations
@@ -44,7 +69,17 @@ from remat3d.instrument.state import recomputing
 from remat3d.instrument.tracker import Repeat, replaying_tracker
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.replay import AmpState
-from remat3d.runtime.tiling.execute import REGION, Stats, StopPass, TileMode, crop, region_of
+from remat3d.runtime.tiling.execute import (
+    REGION,
+    REPLACE,
+    SKIP,
+    Stashing,
+    Stats,
+    StopPass,
+    TileMode,
+    crop,
+    region_of,
+)
 from remat3d.runtime.tiling.host import (
     add_into_host,
     compute_device,
@@ -59,6 +94,7 @@ from remat3d.runtime.tiling.trace import TilingError, Trace, trace
 __all__ = ["TileSize", "TiledRun", "tile"]
 
 TileSize = int | Sequence[int]
+STASHES = ("device", "host")  # where NOTE [ Stashed passes ] may keep normalisation inputs
 
 
 def _tile_size(tile: TileSize) -> tuple[int, int, int]:
@@ -80,8 +116,12 @@ class TiledRun:
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
                  tile: TileSize, *, device: torch.device | None = None,
-                 host_outputs: bool = False) -> None:
+                 host_outputs: bool = False, stash: str | None = None) -> None:
+        if stash is not None and stash not in STASHES:
+            raise TilingError(f"stash must be one of {', '.join(STASHES)} or None; got "
+                              f"{stash!r}.")
         self.fn = fn
+        self.stash = stash
         self.device = device if device is not None else compute_device(fn, inputs)
         self.host_inputs = [is_host(x, self.device) for x in inputs]
         self.host_outputs = host_outputs
@@ -123,10 +163,91 @@ class TiledRun:
                    for r, i in zip(owned.values(), tr.norms)),
              tuple(_shape(r, tr.sizes[node]) for r, node in zip(outs, tr.outputs)))
             for plan, owned, outs in zip(self.plans, self.owned, self.out_owned)]
+        self.stash_nodes = self._stash_nodes() if stash else {}
+
+    # -- stashes (NOTE [ Stashed passes ]) ---------------------------------------------
+    def _stash_nodes(self) -> dict[int, int]:
+        """Normalisation ordinal -> the node of its input, where it may be stashed (rule 3)."""
+        tr = self.trace
+        producer = {op.spatial.output: op for op in tr.ops}
+        nodes = {}
+        for j, i in enumerate(tr.norms):
+            node = tr.ops[i].spatial.inputs[0]
+            op = producer.get(node)
+            if op is not None and not op.inplace and op.single:
+                nodes[j] = node
+        return nodes
+
+    def _actions(self, last: int, available: set[int]) -> dict[int, str]:
+        """What a pass running the ops up to ``last`` skips or reads from a stash, given
+        the stashed nodes ``available`` (rule 1): walking back from what the pass needs."""
+        ops = self.trace.ops
+        full = last == len(ops) - 1
+        needed = set(self.trace.outputs) if full else set(ops[last].spatial.inputs)
+        actions: dict[int, str] = {}
+        for i in range(last - (0 if full else 1), -1, -1):
+            op = ops[i]
+            out = op.spatial.output
+            if out not in needed and op.single:
+                actions[i] = SKIP
+            elif out in available:
+                actions[i] = REPLACE
+            else:
+                needed.update(op.spatial.inputs)
+        return actions
+
+    def _new_stash(self, j: int) -> torch.Tensor:
+        node = self.stash_nodes[j]
+        shape = (*self.trace.leading[node], *self.trace.sizes[node])
+        dtype = self.trace.dtypes[node]
+        if self.stash == "host":
+            return host_empty(shape, dtype, self.device)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _schedule(self, passes: list[tuple[int, set[int], list[int]]]
+                  ) -> list[tuple[dict[int, str], list[int], list[int]]]:
+        """Per pass (last op, stashed nodes it may read, stashes it writes): its actions,
+        the stashes it writes, and the nodes whose stashes are freed after it."""
+        acts = [self._actions(last, available) for last, available, _ in passes]
+        last_read: dict[int, int] = {}
+        for p, actions in enumerate(acts):
+            for i, what in actions.items():
+                if what == REPLACE:
+                    last_read[self.trace.ops[i].spatial.output] = p
+        # a stash no later pass reads is not written at all
+        written = {self.stash_nodes[j]: p for p, (_, _, writes) in enumerate(passes)
+                   for j in writes if self.stash_nodes[j] in last_read}
+        out = []
+        for p, (actions, (_, _, writes)) in enumerate(zip(acts, passes)):
+            kept = [j for j in writes if written.get(self.stash_nodes[j]) == p]
+            free = [node for node, w in written.items() if last_read[node] == p]
+            out.append((actions, kept, free))
+        return out
+
+    def _passes(self, schedule: list[tuple[dict[int, str], list[int], list[int]]]
+                ) -> Iterator[Stashing | None]:
+        """Each pass's :class:`Stashing` in order, stashes allocated when first written and
+        freed after their last reader (None: no stashes)."""
+        if not self.stash:
+            for _ in schedule:
+                yield None
+            return
+        whole: dict[int, torch.Tensor] = {}
+        try:
+            for actions, writes, free in schedule:
+                write = {j: self._new_stash(j) for j in writes}
+                yield Stashing(actions, dict(whole), write)
+                whole.update({self.stash_nodes[j]: t for j, t in write.items()})
+                del write
+                for node in free:
+                    whole.pop(node, None)
+        finally:
+            whole.clear()
 
     # -- one tile ---------------------------------------------------------------------
     def run_tile(self, k: int, inputs: Sequence[torch.Tensor], *, stop_at: int | None = None,
-                 capture: int | None = None, grad_inputs: Sequence[bool] | None = None
+                 capture: int | None = None, grad_inputs: Sequence[bool] | None = None,
+                 stashing: Stashing | None = None
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor], TileMode]:
         plan = self.plans[k]
         local = []
@@ -140,7 +261,8 @@ class TiledRun:
                 xt = xt.detach().requires_grad_(grad_inputs[i])
             setattr(xt, REGION, region)
             local.append(xt)
-        mode = TileMode(self.trace, plan, self.stats, self.owned[k], stop_at, capture)
+        mode = TileMode(self.trace, plan, self.stats, self.owned[k], stop_at, capture,
+                        stashing, self.device)
         try:
             with mode:
                 y = self.fn(*local)
@@ -159,34 +281,43 @@ class TiledRun:
         tr = self.trace
         for stats in self.stats:
             stats.reset()
+        n = len(self.stats)
+        last = len(tr.ops) - 1
+        stashed = list(self.stash_nodes)  # normalisations whose inputs may be stashed
+        schedule = self._schedule(  # NOTE [ Stashed passes ] rule 1
+            [(tr.norms[j], {self.stash_nodes[i] for i in stashed if i < j},
+              [j] if j in self.stash_nodes else []) for j in range(n)]
+            + [(last, {self.stash_nodes[i] for i in stashed}, [])])
+        outs: list[torch.Tensor] = []
         with torch.no_grad():
-            for j in range(len(self.stats)):
+            for j, stashing in enumerate(self._passes(schedule)):
+                if j == n:
+                    outs = [host_empty(shape, dtype, self.device) if self.host_outputs
+                            else torch.empty(shape, dtype=dtype, device=self.device)
+                            for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
                 repeats = _Repeats(self)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
-                    with repeats.recording(k), _restoring_buffers(), recomputing():
-                        self.run_tile(k, inputs, stop_at=j)
-                self.stats[j].finish()
-            outs = [host_empty(shape, dtype, self.device) if self.host_outputs
-                    else torch.empty(shape, dtype=dtype, device=self.device)
-                    for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
-            repeats = _Repeats(self)
-            for k in range(len(self.tiles)):
-                if repeats.replayed(k):
-                    continue
-                with repeats.recording(k):
-                    self._output_tile(k, inputs, outs)
+                    with repeats.recording(k):
+                        if j == n:
+                            self._output_tile(k, inputs, outs, stashing)
+                            continue
+                        with _restoring_buffers(), recomputing():
+                            self.run_tile(k, inputs, stop_at=j, stashing=stashing)
+                if j < n:
+                    self.stats[j].finish()
+                del stashing
             self._update_running()
         return outs
 
     def _output_tile(self, k: int, inputs: Sequence[torch.Tensor],
-                     outs: list[torch.Tensor]) -> None:
+                     outs: list[torch.Tensor], stashing: Stashing | None) -> None:
         """Tile ``k``'s part of the outputs, written into ``outs`` (NOTE rule 1); buffers
         restored but after the last tile. Its own tensors are gone when it returns."""
         last = k == len(self.tiles) - 1
         with contextlib.nullcontext() if last else _restoring_buffers():
-            ys, _, _ = self.run_tile(k, inputs)
+            ys, _, _ = self.run_tile(k, inputs, stashing=stashing)
         assert ys is not None
         for out, y, region in zip(outs, ys, self.out_owned[k]):
             crop(out, _whole(out), region).copy_(y)
@@ -221,7 +352,14 @@ class TiledRun:
                  needs: Sequence[bool]) -> tuple[list[torch.Tensor | None],
                                                  list[torch.Tensor | None]]:
         params = [p for p in self.trace.params if p.requires_grad]
-        for j in reversed(range(len(self.stats))):
+        n = len(self.stats)
+        last = len(self.trace.ops) - 1
+        order = list(reversed(range(n)))
+        schedule = self._schedule(  # NOTE [ Stashed passes ] rule 2
+            [(last, set(), [i for i in self.stash_nodes if i < n - 1])]
+            + [(last, {self.stash_nodes[i] for i in self.stash_nodes if i <= j}, [])
+               for j in order[1:]])
+        for j, stashing in zip(order, self._passes(schedule)):
             stats = self.stats[j]
             sum_g: torch.Tensor | None = None
             sum_gx: torch.Tensor | None = None
@@ -230,11 +368,12 @@ class TiledRun:
                 if repeats.replayed(k):
                     continue
                 with repeats.recording(k):
-                    sums = self._norm_sums_tile(k, j, inputs, dys, needs)
+                    sums = self._norm_sums_tile(k, j, inputs, dys, needs, stashing)
                     if sums is not None:
                         sum_g = sums[0] if sum_g is None else sum_g + sums[0]
                         sum_gx = sums[1] if sum_gx is None else sum_gx + sums[1]
                     del sums  # a tile leaves nothing alive but what it adds to
+            del stashing
             if sum_g is None or sum_gx is None:
                 zero = torch.zeros((), dtype=torch.float64, device=self.device)
                 stats.sums = (zero, zero)
@@ -254,11 +393,13 @@ class TiledRun:
         return dx, [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
 
     def _norm_sums_tile(self, k: int, j: int, inputs: Sequence[torch.Tensor],
-                        dys: Sequence[torch.Tensor | None], needs: Sequence[bool]
+                        dys: Sequence[torch.Tensor | None], needs: Sequence[bool],
+                        stashing: Stashing | None
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Tile ``k``'s share of normalisation ``j``'s two backward sums (NOTE rule 3);
         None where the tile adds nothing. Its own tensors are gone when it returns."""
-        ys, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs)
+        ys, _, mode = self.run_tile(k, inputs, capture=j, grad_inputs=needs,
+                                    stashing=stashing)
         xhat = mode.captured
         if ys is None or xhat is None or not xhat.requires_grad:
             return None
@@ -380,7 +521,8 @@ class _TiledFunction(torch.autograd.Function):
 
 
 def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
-         host: bool = False, device: torch.device | str | None = None) -> Any:
+         host: bool = False, device: torch.device | str | None = None,
+         stash: str | None = None) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -400,7 +542,9 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     on the host too, so the device never holds them (NOTE [ Host-resident tiled
     outputs ]). Anything else needs them on the device: ``y.to(device)``. ``device``:
     where the run computes (default: its first device-resident input's device, else its
-    first parameter's).
+    first parameter's). ``stash="device"`` or ``"host"`` keeps each normalisation's input
+    whole while the passes that read it run, so that later passes start from it instead
+    of recomputing from the inputs (NOTE [ Stashed passes ]): fewer FLOPs, more memory.
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
@@ -410,7 +554,7 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     >>> torch.allclose(y, block(x), atol=1e-5)
     True
     """
-    run = TiledRun(fn, inputs, tile, host_outputs=host,
+    run = TiledRun(fn, inputs, tile, host_outputs=host, stash=stash,
                    device=None if device is None else torch.device(device))
     params = [p for p in run.trace.params if p.requires_grad]
     needs_graph = torch.is_grad_enabled() and (any(x.requires_grad for x in inputs)

@@ -79,6 +79,8 @@ class TracedOp:
     norm: NormSpec | None = None
     norm_index: int | None = None   # ordinal among norms with batch statistics
     flops: int = 0                  # untiled forward FLOPs (convolutions; 0 for the rest)
+    inplace: bool = False           # writes its first spatial input and returns it
+    single: bool = True             # returns one tensor (not a tuple of channel chunks)
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Trace:
     norms: list[int] = field(default_factory=list)   # op index of each norm with statistics
     voxel_bytes: dict[int, int] = field(default_factory=dict)
     returns_tuple: bool = False
+    leading: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (N, C)
+    dtypes: dict[int, torch.dtype] = field(default_factory=dict)       # node -> dtype
 
     @property
     def spatial_ops(self) -> list[SpatialOp]:
@@ -109,6 +113,8 @@ class _Recorder(TorchFunctionMode):
         self.sizes: dict[int, tuple[int, ...]] = {}
         self.params: dict[int, torch.Tensor] = {}
         self.voxel_bytes: dict[int, int] = {}   # node -> bytes per voxel (batch x channels)
+        self.leading: dict[int, tuple[int, int]] = {}
+        self.dtypes: dict[int, torch.dtype] = {}
         self.next_node = 0
 
     def new_node(self, t: torch.Tensor) -> int:
@@ -117,6 +123,8 @@ class _Recorder(TorchFunctionMode):
         setattr(t, _NODE, node)
         self.sizes[node] = tuple(int(s) for s in t.shape[2:])
         self.voxel_bytes[node] = int(t.shape[0]) * int(t.shape[1]) * t.element_size()
+        self.leading[node] = (int(t.shape[0]), int(t.shape[1]))
+        self.dtypes[node] = t.dtype
         return node
 
     def fail(self, name: str, why: str, fix: str) -> TilingError:
@@ -174,7 +182,8 @@ class _Recorder(TorchFunctionMode):
             side = spatial[0] if role == "conv_transpose" else outs[0]
             flops = per_voxel * int(torch.Size(side.shape[2:]).numel())
         self.ops.append(TracedOp(name, role, spatial_op, self.modules.current(),
-                                 outs[0].dtype, norm, flops=flops))
+                                 outs[0].dtype, norm, flops=flops,
+                                 inplace=outs[0] is spatial[0], single=len(outs) == 1))
         return out
 
     def classify(self, name: str, args: Sequence[Any], kwargs: dict[str, Any],
@@ -370,4 +379,5 @@ def trace(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
     return Trace(ops=ops, inputs=nodes, outputs=nodes_out, sizes=recorder.sizes,
                  out_shapes=[tuple(o.shape) for o in outs], out_dtypes=[o.dtype for o in outs],
                  params=list(recorder.params.values()), norms=norms,
-                 voxel_bytes=recorder.voxel_bytes, returns_tuple=isinstance(out, (tuple, list)))
+                 voxel_bytes=recorder.voxel_bytes, returns_tuple=isinstance(out, (tuple, list)),
+                 leading=recorder.leading, dtypes=recorder.dtypes)
