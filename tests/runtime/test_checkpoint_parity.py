@@ -106,6 +106,26 @@ def test_double_backward_through_an_applied_plan():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(want, _grads(net, x)))
 
 
+def test_backward_twice_through_an_applied_plan():
+    """retain_graph=True, then a second backward, through plan regions: twice the
+    gradients, as without the plan."""
+    net = nn.Sequential(_block(), nn.Conv3d(2, 2, 1), _block())
+    x = _x()
+    y = net(x).pow(2).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    want = _grads(net, x)
+    _clear(net, x)
+    remat3d.apply(net, remat3d.Plan(regions=[remat3d.Region("0"), remat3d.Region("2")]))
+    try:
+        y = net(x).pow(2).sum()
+        y.backward(retain_graph=True)
+        y.backward()
+    finally:
+        remat3d.remove(net)
+    assert all(torch.equal(a, b) for a, b in zip(want, _grads(net, x)))
+
+
 def _hessian_vector(ck, block, x, v):
     y = (block(x) if ck is None else ck(block, x)).pow(2).sum()
     (g,) = torch.autograd.grad(y, x, create_graph=True)

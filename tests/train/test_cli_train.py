@@ -109,6 +109,8 @@ def test_bad_data_is_one_line_before_training(data, kind, message):
     (["--pretrained=missing.pt"], "missing.pt' do not exist"),
     (["--model=nosuchnet"], "Unknown model preset 'nosuchnet'"),
     (["--memory_budget=1KB"], "does not even hold the optimizer state"),
+    (["--memory_budget=1e400"], "1e400"),
+    (["--memory_budget=0.5"], "did you mean '0.5x'"),
     (["--freeze=[encoder.*]"], "'encoder.*' matches no parameter"),
     (["stray"], "expected --key=value"),
 ])

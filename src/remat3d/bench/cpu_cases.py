@@ -7,9 +7,9 @@ For each method a copy of one CPU model (same weights) gets the method installed
 - *memory*: the tracker's peak of that step on CPU (what the allocator sees at op
   boundaries: ``docs/tracker.md``);
 - *time*: ``repeats`` rounds (more for short steps: at least ``suite.min_seconds`` of
-  unplanned steps, at most ``MAX_ROUNDS``) after one warm-up round; each round runs every method
-  once,
-  in turn (interleaved, so a slow spell of a shared machine hits every method alike);
+  unplanned steps, at most ``suite.max_rounds``) after one warm-up round; each round runs
+  every method once, in turn (interleaved, so a slow spell of a shared machine hits every
+  method alike);
   ``step_time_ratio`` is the median over rounds of (method seconds / unplanned seconds).
   Each round starts one method later than the one before (allocator and cache state
   favour whichever runs after a given method, not a fixed one).
@@ -45,9 +45,7 @@ from remat3d.measurement import measure
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
 
-__all__ = ["MAX_ROUNDS", "run_cpu_case"]
-
-MAX_ROUNDS = 60
+__all__ = ["run_cpu_case"]
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +186,7 @@ def run_cpu_case(run: CaseRun, suite: Suite) -> None:
                 c.seconds.append(seconds)
             elif c is contenders[0]:  # short steps get more rounds (suite.min_seconds)
                 wanted = math.ceil(suite.min_seconds / max(seconds, 1e-3))
-                rounds = max(rounds, min(MAX_ROUNDS, wanted))
+                rounds = max(rounds, min(suite.max_rounds, wanted))
         r += 1
     for c in contenders:
         ratios = [s / b for s, b in zip(c.seconds, contenders[0].seconds)]

@@ -103,7 +103,8 @@ def _header(suite: str, command: str, seconds: float) -> list[str]:
 
 def _headline(meta: dict[Any, list[Record]]) -> list[str]:
     lines: list[str] = []
-    lines += ["## Headline: peak per method", ""]
+    if any(headline_methods(recs) for recs in meta.values()):
+        lines += ["## Headline: peak per method", ""]
     for key, recs in meta.items():
         rows = headline_methods(recs)
         if not rows:

@@ -54,6 +54,7 @@ class Suite:
     repeats: int  # cpu tier: timed rounds (after one warm-up round)
     offload: tuple[bool, ...] = (False, True)  # remat3d optimal at its smallest budget
     min_seconds: float = 5.0  # cpu tier: short steps get rounds until this much is timed
+    max_rounds: int = 60  # cpu tier: at most this many rounds
     model_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per model
     # cases besides the grids above (the networks too large to sweep)
     extra_cases: tuple[Case, ...] = ()
@@ -155,7 +156,22 @@ BLOCKS = Suite(
                   _VNET: {"spatial_dims": 3, "in_channels": 1, "out_channels": 2}},
 )
 
-SUITES = {s.name: s for s in (QUICK, FULL, TINY, BLOCKS)}
+# the cpu tier alone, with rounds enough to tell a few per cent apart: per-block
+# checkpointing's time, torch's against remat3d's (issue 19: within 5 %); minutes
+CPU = Suite(
+    name="cpu",
+    sweep_models=(), sweep_sizes=(), sweep_amps=(),
+    point_models=(), point_sizes=(), point_amps=(),
+    cpu_models=("nnunet", "unet", "segresnet"), cpu_sizes=(32,),  # nnunet: 64 (its minimum)
+    budgets=(), compile_budgets=(), cpu_compile_budgets=(), segments=(),
+    strategies=("blocks",),
+    repeats=9,
+    offload=(False,),
+    min_seconds=30.0,
+    max_rounds=400,
+)
+
+SUITES = {s.name: s for s in (QUICK, FULL, TINY, BLOCKS, CPU)}
 
 
 def get_suite(name: str) -> Suite:

@@ -36,7 +36,9 @@ def bench_command(
     suite: str = typer.Option("quick", "--suite",
                               help="quick (under 10 min on 2 cores), full (under 60 min), "
                                    "blocks (optimal at per-block checkpointing's peak on "
-                                   "every preset) or tiny (seconds)."),
+                                   "every preset), cpu (real CPU steps only: per-block "
+                                   "checkpointing's time, torch's against remat3d's) or "
+                                   "tiny (seconds)."),
     models: str = typer.Option(None, "--models",
                                help="Comma-separated presets replacing the suite's models."),
     sizes: str = typer.Option(None, "--sizes",

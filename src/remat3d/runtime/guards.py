@@ -33,6 +33,7 @@ NOTE [ Exact recomputation ]
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -109,7 +110,7 @@ class BufferGuard:
             modules.on_enter.append(self.snapshot)
 
     def snapshot(self, module: nn.Module) -> None:
-        with torch.no_grad(), _disable_current_modes():
+        with torch.no_grad(), _outside_modes():
             self._copy(module)
 
     def _copy(self, module: nn.Module) -> None:
@@ -123,7 +124,7 @@ class BufferGuard:
         if self._root is not None:
             modules = _with_buffers(self._root)
             if modules:
-                with torch.no_grad(), _disable_current_modes():
+                with torch.no_grad(), _outside_modes():
                     for module in modules:
                         self._copy(module)
         return self
@@ -132,11 +133,19 @@ class BufferGuard:
         # the values written into the buffers are undone in place: code that holds a
         # buffer itself (tiled runs update running statistics once) sees them restored
         if self._saved:
-            with torch.no_grad(), _disable_current_modes():
+            with torch.no_grad(), _outside_modes():
                 for module, name, original, copy in self._saved.values():
                     module._buffers[name] = original
                     original.copy_(copy)
         self._saved = {}
+
+
+def _outside_modes() -> contextlib.AbstractContextManager[Any]:
+    """Buffer copies out of sight of any dispatch or function mode (the tracker, a tiled
+    run's); no context to enter when none is active (every recomputation asks)."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return _disable_current_modes()
+    return contextlib.nullcontext()
 
 
 _BUFFERED: weakref.WeakKeyDictionary[nn.Module, tuple[int, list[nn.Module]]]

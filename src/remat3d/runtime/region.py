@@ -70,6 +70,15 @@ class RegionStats:
         self.input_bytes = self.offloaded_bytes = self.kept_bytes = 0
 
 
+def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, as ``tree_leaves`` finds them; plain
+    positional arguments (a region's usual call) without its cost, paid on every call."""
+    if not kwargs and all(isinstance(a, torch.Tensor) or a is None
+                          or isinstance(a, (int, float, bool, str)) for a in args):
+        return [a for a in args if isinstance(a, torch.Tensor)]
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
 def _owner_module(fn: Any) -> nn.Module | None:
     if isinstance(fn, nn.Module):
         return fn
@@ -124,7 +133,7 @@ class _Region:
             leaves, spec = tree_flatten((args, kwargs))
             self.recompute_inputs = ([weakref.ref(v) if isinstance(v, torch.Tensor)
                                       else (lambda v=v: v) for v in leaves], spec)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _input_tensors(args, kwargs)
         versions = [t._version for t in inputs]
         out = self.fn(*args, **kwargs)
         for t, version in zip(inputs, versions):
@@ -152,7 +161,10 @@ class _Region:
             forward += [modules, self.recorder]
         if user_forward is not None:
             forward.append(user_forward)
-        return _Stack(*forward), _Recomputation(self, user_recompute)
+        # one context (the usual: the saves' count) is entered as itself: every region call
+        # pays for a stack
+        return (forward[0] if len(forward) == 1 else _Stack(*forward),
+                _Recomputation(self, user_recompute))
 
     def _guards(self, modules: ModuleStack | None, count: bool) -> list[Any]:
         """What makes a run of the function a recomputation (guards.py rule 1). Module
@@ -424,7 +436,7 @@ def checkpoint_region(fn: Callable[..., Any], args: tuple, kwargs: dict, *,
     check = _check_mode(determinism_check, debug)
     region = _Region(fn, label, policy, check, stats, on_recompute,
                      checkpoint_early_stop(early_stop), context_fn)
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors = _input_tensors(args, kwargs)
     if offload:
         args, kwargs, region.fn = _offload_inputs(fn, args, kwargs, label, offload_min_bytes,
                                                   stats)

@@ -125,8 +125,23 @@ class Deferred(torch.Tensor):
 
 
 def materialize(tree: Any) -> Any:
-    """``tree`` with every :class:`Deferred` in it replaced by its value."""
+    """``tree`` with every :class:`Deferred` in it replaced by its value (``tree`` itself
+    when it holds none: every region call asks, and pytree's map is not free)."""
+    if not _holds_deferred(tree):
+        return tree
     return tree_map(lambda a: a.materialize() if isinstance(a, Deferred) else a, tree)
+
+
+def _holds_deferred(tree: Any) -> bool:
+    if isinstance(tree, Deferred):
+        return True
+    if isinstance(tree, torch.Tensor) or tree is None or isinstance(tree, (int, float, str)):
+        return False
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_deferred(v) for v in tree)
+    if isinstance(tree, dict):
+        return any(_holds_deferred(v) for v in tree.values())
+    return True  # another container (a registered pytree node): let tree_map look
 
 
 def fold(fn: Callable[..., Any], args: Sequence[Any]
