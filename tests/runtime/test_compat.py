@@ -49,3 +49,5 @@ def test_the_selective_checkpoint_cache_is_read_as_this_torch_stores_it():
     with caching:
         conv(x)
     assert storage and all(isinstance(v, (dict, list)) for v in storage.values())
+    entries = compat.selective_cache_entries(caching)
+    assert entries is not None and len(list(entries)) >= 1  # the convolution's output

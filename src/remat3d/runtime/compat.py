@@ -8,7 +8,7 @@ against the installed torch, so a release that drops one fails there, not silent
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils import checkpoint as _ckpt
@@ -20,6 +20,7 @@ __all__ = [
     "checkpoint_debug_enabled",
     "checkpoint_early_stop",
     "register_determinism_check",
+    "selective_cache_entries",
     "selective_cache_internals",
 ]
 
@@ -57,3 +58,21 @@ def selective_cache_internals() -> tuple[type, Any] | None:
     if wrapper_cls is None or recompute is None:
         return None
     return wrapper_cls, recompute
+
+
+def selective_cache_entries(caching_mode: Any) -> Iterator[tuple[Any, Any, Any]] | None:
+    """Each entry a selective checkpoint's caching mode keeps, as (its per-op container,
+    its key there, the entry), so the caller may replace it; None where this torch keeps
+    no such storage. PyTorch 2.13 keeps a dict per op (call index -> entry); 2.11 kept a
+    list."""
+    storage = getattr(caching_mode, "storage", None)
+    if not isinstance(storage, dict):
+        return None
+
+    def entries() -> Iterator[tuple[Any, Any, Any]]:
+        for per_op in storage.values():
+            items = per_op.items() if isinstance(per_op, dict) else enumerate(per_op)
+            for key, entry in list(items):
+                yield per_op, key, entry
+
+    return entries()

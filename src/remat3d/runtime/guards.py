@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat3d.errors import RecomputeDivergedError
 from remat3d.instrument.state import module_name, recompute_depth
-from remat3d.runtime.compat import selective_cache_internals
+from remat3d.runtime.compat import selective_cache_entries, selective_cache_internals
 from remat3d.units import format_shape
 
 __all__ = [
@@ -380,18 +380,15 @@ class RecomputeOverwritten:
 
     def __enter__(self) -> None:
         internals = selective_cache_internals()
-        storage = getattr(self.caching_mode, "storage", None)
-        if internals is None or not isinstance(storage, dict):
+        entries = selective_cache_entries(self.caching_mode)
+        if internals is None or entries is None:
             return  # PyTorch's own check will name the problem
         wrapper_cls, recompute = internals
-        for per_op in storage.values():
-            # per op: a dict of call index -> entry (PyTorch 2.13), a list (2.11)
-            entries = per_op.items() if isinstance(per_op, dict) else enumerate(per_op)
-            for idx, entry in list(entries):
-                leaves = tree_leaves(entry, is_leaf=lambda x: isinstance(x, wrapper_cls))
-                if any(isinstance(w, wrapper_cls) and w.version is not None
-                       and w.val._version != w.version for w in leaves):
-                    per_op[idx] = recompute
+        for per_op, key, entry in entries:
+            leaves = tree_leaves(entry, is_leaf=lambda x: isinstance(x, wrapper_cls))
+            if any(isinstance(w, wrapper_cls) and w.version is not None
+                   and w.val._version != w.version for w in leaves):
+                per_op[key] = recompute
 
     def __exit__(self, *exc: object) -> None:
         return None
