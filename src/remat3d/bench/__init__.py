@@ -2,7 +2,7 @@
 
 >>> from remat3d.bench import SUITES
 >>> sorted(SUITES)
-['blocks', 'full', 'quick', 'tiny']
+['blocks', 'cpu', 'full', 'quick', 'tiny']
 
 Run ``run_suite(get_suite("quick"), "bench-out")``, or ``remat3d bench --suite quick
 --out bench-out``; the schema of ``results.json`` is in ``docs/bench.md``.
