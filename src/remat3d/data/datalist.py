@@ -1,5 +1,6 @@
 """Which volumes a dataset holds: a Medical Segmentation Decathlon ``dataset.json`` datalist,
-or folders of images and labels.
+nnU-Net v2's raw dataset (its ``dataset.json`` with ``channel_names``), or folders of images
+and labels.
 
 A :class:`Case` is plain data (file paths and a name); nothing is read here but the datalist
 itself, and every path is checked to exist, so a typo is reported before any training starts.
@@ -116,6 +117,8 @@ def _read_json(path: Path) -> Datalist:
             f"{exc.msg}). Fix the file; the MSD format is "
             '{"training": [{"image": "...", "label": "..."}]}.'
         ) from None
+    if isinstance(content, dict) and "channel_names" in content and "training" not in content:
+        return _read_nnunet_raw(path, content)
     if not isinstance(content, dict) or not isinstance(content.get("training"), list):
         raise DataError(
             f"Datalist {str(path)!r} has no 'training' list. The MSD format is "
@@ -130,6 +133,68 @@ def _read_json(path: Path) -> Datalist:
         raise DataError(f"Datalist {str(path)!r} lists no training cases; add at least one.")
     labels = {str(k): str(v) for k, v in (content.get("labels") or {}).items()}
     return Datalist(path, training, validation, labels)
+
+
+def _read_nnunet_raw(path: Path, content: dict[str, Any]) -> Datalist:
+    """nnU-Net v2's raw dataset (``nnUNet_raw/DatasetXXX_Name``): ``dataset.json`` with
+    ``channel_names``, ``labels`` and ``file_ending``; ``imagesTr/{case}_{XXXX}{ending}``,
+    one file per channel (stacked in channel order), ``labelsTr/{case}{ending}``."""
+    root = path.parent
+    channels = content.get("channel_names")
+    ending = content.get("file_ending")
+    labels = content.get("labels")
+    if not isinstance(channels, dict) or not channels:
+        raise DataError(f"nnU-Net dataset {str(path)!r}: channel_names must map channel "
+                        f"indices to names, got {channels!r}.")
+    if not isinstance(ending, str) or not ending:
+        raise DataError(f"nnU-Net dataset {str(path)!r} has no file_ending (e.g. "
+                        "'.nii.gz').")
+    if ending.lower() not in (".nii.gz", ".nii"):
+        raise DataError(f"nnU-Net dataset {str(path)!r} stores {ending} files; remat3d reads "
+                        "NIfTI (.nii.gz, .nii). Convert the images and labels to NIfTI.")
+    if not isinstance(labels, dict) or not labels:
+        raise DataError(f"nnU-Net dataset {str(path)!r}: labels must map names to label "
+                        f"values, got {labels!r}.")
+    regions = [name for name, value in labels.items() if isinstance(value, (list, tuple))]
+    if regions or "regions_class_order" in content:
+        raise DataError(
+            f"nnU-Net dataset {str(path)!r} uses region-based labels ({', '.join(regions)}); "
+            "remat3d trains on one class per voxel. Give each label one value, or train this "
+            "dataset with nnU-Net's own trainer.")
+    if "ignore" in labels:
+        raise DataError(f"nnU-Net dataset {str(path)!r} has an 'ignore' label; remat3d's "
+                        "losses have none. Remove it (or relabel those voxels).")
+    if "dataset" in content:
+        raise DataError(f"nnU-Net dataset {str(path)!r} lists its cases in a 'dataset' "
+                        "entry; remat3d reads the imagesTr/labelsTr layout only.")
+    order = sorted(int(k) for k in channels)
+    if order != list(range(len(order))):
+        raise DataError(f"nnU-Net dataset {str(path)!r}: channel_names must be numbered 0, "
+                        f"1, ...; got {sorted(channels)}.")
+    images_dir, labels_dir = root / "imagesTr", root / "labelsTr"
+    for folder in (images_dir, labels_dir):
+        if not folder.is_dir():
+            raise DataError(f"nnU-Net dataset {str(path)!r} has no {folder.name}/ folder.")
+    cases = []
+    for label in sorted(labels_dir.iterdir()):
+        if label.name.startswith(".") or not label.name.endswith(ending):
+            continue
+        name = label.name[: -len(ending)]
+        images = tuple(images_dir / f"{name}_{c:04d}{ending}" for c in order)
+        missing = [p.name for p in images if not p.is_file()]
+        if missing:
+            raise DataError(f"nnU-Net dataset {str(path)!r}: case {name!r} lacks "
+                            f"{', '.join(missing)} in imagesTr/ (one file per channel).")
+        cases.append(Case(name, images, label))
+    if not cases:
+        raise DataError(f"nnU-Net dataset {str(path)!r}: labelsTr/ holds no {ending} label "
+                        "maps; the dataset is empty.")
+    expected = content.get("numTraining")
+    if isinstance(expected, int) and expected != len(cases):
+        raise DataError(f"nnU-Net dataset {str(path)!r} says numTraining {expected}, but "
+                        f"labelsTr/ holds {len(cases)} cases.")
+    names = {str(int(value)): str(name) for name, value in labels.items()}
+    return Datalist(path, cases, [], names)
 
 
 def _json_case(root: Path, entry: Any, source: Path, section: str, index: int) -> Case:

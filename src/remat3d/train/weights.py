@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from remat3d.errors import WeightsError, quoted
+from remat3d.zoo.nnunet import checkpoint_safe_globals
 
 __all__ = ["LoadReport", "apply_freeze", "load_pretrained", "read_state_dict"]
 
@@ -79,7 +80,10 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             raise WeightsError(f"Cannot read safetensors file {str(path)!r}: {exc}. The file "
                                "may be truncated; download or save it again.") from None
     try:
-        content = torch.load(path, map_location="cpu", weights_only=True)
+        # numpy scalars in nnU-Net's training log are allowed too: its checkpoints are
+        # the pretrained 3D weights people have (zoo/nnunet.py)
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
+            content = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
         message = quoted(exc)
         hint = ("It holds pickled Python objects beyond tensors; re-save just the weights "

@@ -1,10 +1,13 @@
-"""Model specs: a preset, ``package.module:Class``, or a ``.py`` file with ``build_model()``;
-constructor kwargs from JSON/YAML text or a file.
+"""Model specs: a preset, ``package.module:Class``, a ``.py`` file with ``build_model()``,
+or nnU-Net v2's artefacts (``nnunetv2:PLANS_JSON:CONFIGURATION``, a checkpoint ``.pth``:
+``zoo/nnunet.py``); constructor kwargs from JSON/YAML text or a file.
 
 What a spec may execute: a preset runs remat3d's and MONAI's code; ``package.module:Class``
 imports that module (its import-time code runs, as with ``import``) and calls the class,
 which must be an ``nn.Module`` subclass (never another callable: ``os:system`` is refused);
-a ``.py`` file is run as Python code, so only name files you trust.
+a ``.py`` file is run as Python code, so only name files you trust; nnU-Net's artefacts
+run nnU-Net's code and import the network building blocks their plans name (``nn.Module``
+classes only), and a checkpoint is read with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from torch import nn
 
 from remat3d.errors import ModelSpecError
 from remat3d.zoo.meta import build_on_meta
+from remat3d.zoo.nnunet import (
+    NNUNET_PREFIX,
+    build_from_checkpoint,
+    build_from_plans,
+    parse_plans_spec,
+)
 from remat3d.zoo.presets import PRESETS, SpatialSize, get_preset
 
 __all__ = ["build_model", "parse_model_kwargs"]
@@ -140,6 +149,18 @@ def _resolve_constructor(
             return preset.factory(spatial_size, **kwargs)
 
         return construct, f"preset {preset.name!r}"
+    if spec.startswith(NNUNET_PREFIX):
+        plans, configuration = parse_plans_spec(spec)
+
+        def from_plans(**kwargs: Any) -> nn.Module:
+            return build_from_plans(plans, configuration, **kwargs)
+
+        return from_plans, f"nnU-Net v2 configuration {configuration!r} of {str(plans)!r}"
+    if spec.lower().endswith((".pth", ".pt", ".ckpt")):
+        def from_checkpoint(**kwargs: Any) -> nn.Module:
+            return build_from_checkpoint(spec, **kwargs)
+
+        return from_checkpoint, f"nnU-Net v2 checkpoint {spec!r}"
     if spec.endswith(".py") or Path(spec).is_file():
         return _load_model_file(Path(spec).expanduser()), f"build_model() in {spec!r}"
     if ":" in spec:
