@@ -1,13 +1,16 @@
 """Model specs: a preset, ``package.module:Class``, a ``.py`` file with ``build_model()``,
-or nnU-Net v2's artefacts (``nnunetv2:PLANS_JSON:CONFIGURATION``, a checkpoint ``.pth``:
-``zoo/nnunet.py``); constructor kwargs from JSON/YAML text or a file.
+nnU-Net v2's artefacts (``nnunetv2:PLANS_JSON:CONFIGURATION``, a checkpoint ``.pth``:
+``zoo/nnunet.py``), or a MONAI bundle folder or ``.zip`` (``zoo/bundle.py``); constructor
+kwargs from JSON/YAML text or a file.
 
 What a spec may execute: a preset runs remat3d's and MONAI's code; ``package.module:Class``
 imports that module (its import-time code runs, as with ``import``) and calls the class,
 which must be an ``nn.Module`` subclass (never another callable: ``os:system`` is refused);
 a ``.py`` file is run as Python code, so only name files you trust; nnU-Net's artefacts
 run nnU-Net's code and import the network building blocks their plans name (``nn.Module``
-classes only), and a checkpoint is read with ``weights_only=True``.
+classes only), and a checkpoint is read with ``weights_only=True``; a MONAI bundle's configs
+are code (MONAI evaluates their expressions and calls their targets): name only bundles you
+trust.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from remat3d.errors import ModelSpecError
+from remat3d.zoo.bundle import build_from_bundle, is_bundle
 from remat3d.zoo.meta import build_on_meta
 from remat3d.zoo.nnunet import (
     NNUNET_PREFIX,
@@ -156,6 +160,11 @@ def _resolve_constructor(
             return build_from_plans(plans, configuration, **kwargs)
 
         return from_plans, f"nnU-Net v2 configuration {configuration!r} of {str(plans)!r}"
+    if is_bundle(spec):
+        def from_bundle(**kwargs: Any) -> nn.Module:
+            return build_from_bundle(spec, **kwargs)
+
+        return from_bundle, f"MONAI bundle {spec!r}"
     if spec.lower().endswith((".pth", ".pt", ".ckpt")):
         def from_checkpoint(**kwargs: Any) -> nn.Module:
             return build_from_checkpoint(spec, **kwargs)

@@ -1,0 +1,146 @@
+"""Models from MONAI bundles: a bundle folder (or its ``.zip``) as a model spec.
+
+A MONAI bundle holds ``configs/`` (``train``/``inference`` ``.json``/``.yaml``, with the
+network as ``network_def``) and ``models/model.pt`` (its weights). The spec builds
+``network_def`` through ``monai.bundle.ConfigParser``, from the first of ``train``,
+``inference`` in ``configs/`` that defines it, and loads ``models/model.pt`` when the
+bundle has it (tensors that do not fit the network built, a head changed by model kwargs,
+are left as initialised and logged). Model kwargs override ``network_def``'s arguments
+(``out_channels: 4``).
+
+What a spec may execute: a bundle's configs are code. MONAI evaluates their ``$``
+expressions and calls their ``_target_`` classes and functions, so name only bundles you
+trust (as with a ``.py`` file). The weights are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat3d.errors import ModelSpecError, quoted
+
+__all__ = ["build_from_bundle", "bundle_root", "is_bundle"]
+
+logger = logging.getLogger(__name__)
+
+_CONFIGS = ("train", "inference")
+_SUFFIXES = (".json", ".yaml", ".yml")
+_CONTAINERS = ("state_dict", "model", "network", "model_state_dict")
+
+
+def is_bundle(spec: str) -> bool:
+    """Whether ``spec`` names a bundle folder (holding ``configs/``) or a ``.zip``."""
+    path = Path(spec).expanduser()
+    return (path.is_dir() and (path / "configs").is_dir()) or \
+        (path.suffix.lower() == ".zip" and path.is_file())
+
+
+def bundle_root(spec: str | os.PathLike[str]) -> Path:
+    """The bundle's folder: ``spec`` itself, or where its ``.zip`` is unpacked (a cache
+    folder named after the archive's content, so an unchanged archive unpacks once)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / f"remat3d-bundle-{digest}"
+    if not target.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix="remat3d-bundle-"))
+        try:
+            with zipfile.ZipFile(path) as archive:
+                for name in archive.namelist():  # no member may leave the folder
+                    if Path(name).is_absolute() or ".." in Path(name).parts:
+                        raise ModelSpecError(f"Bundle archive {str(path)!r} holds a path "
+                                             f"outside its folder: {name!r}.")
+                archive.extractall(staging)
+        except zipfile.BadZipFile as exc:
+            raise ModelSpecError(f"Cannot read bundle archive {str(path)!r}: {exc}.") from None
+        if target.exists():  # unpacked meanwhile by another process
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            staging.replace(target)
+    found = [p.parent for p in sorted(target.rglob("configs")) if p.is_dir()]
+    if not found:
+        raise ModelSpecError(f"Bundle archive {str(path)!r} holds no configs/ folder; a "
+                             "MONAI bundle has configs/ and models/.")
+    return found[0]
+
+
+def _config_files(root: Path) -> list[Path]:
+    return [root / "configs" / f"{name}{suffix}" for name in _CONFIGS for suffix in _SUFFIXES
+            if (root / "configs" / f"{name}{suffix}").is_file()]
+
+
+def build_from_bundle(spec: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
+    """The bundle's ``network_def`` (module docstring), with its weights."""
+    from monai.bundle import ConfigParser
+
+    root = bundle_root(spec)
+    where = f"bundle {str(spec)!r}"
+    files = _config_files(root)
+    if not files:
+        raise ModelSpecError(f"{where} has no configs/train or configs/inference (.json, "
+                             ".yaml); a MONAI bundle defines its network_def there.")
+    for file in files:
+        parser = ConfigParser()
+        try:
+            parser.read_config(str(file))
+        except Exception as exc:  # noqa: BLE001 - a user's config: report it against the file
+            raise ModelSpecError(f"Cannot read {str(file)!r}: {type(exc).__name__}: "
+                                 f"{quoted(exc)}") from None
+        if "network_def" in parser:
+            break
+    else:
+        raise ModelSpecError(f"{where}: none of {', '.join(f.name for f in files)} defines "
+                             "network_def.")
+    for key, value in kwargs.items():
+        parser[f"network_def#{key}"] = value
+    try:
+        model = parser.get_parsed_content("network_def", instantiate=True)
+    except Exception as exc:  # noqa: BLE001 - the bundle's own code failed
+        raise ModelSpecError(f"{where}: building network_def from {file.name} failed: "
+                             f"{type(exc).__name__}: {quoted(exc)}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{where}: network_def built a {type(model).__name__}, not a "
+                             "torch.nn.Module.")
+    weights = root / "models" / "model.pt"
+    if weights.is_file() and not any(p.is_meta for p in model.parameters()):
+        _load(model, weights, where)
+    return model
+
+
+def _load(model: nn.Module, path: Path, where: str) -> None:
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
+        raise ModelSpecError(f"{where}: cannot read {str(path)!r}: {type(exc).__name__}: "
+                             f"{quoted(exc)}") from None
+    for _ in range(3):
+        if isinstance(content, Mapping) and not all(isinstance(v, torch.Tensor)
+                                                    for v in content.values()):
+            inner = next((content[k] for k in _CONTAINERS if isinstance(content.get(k),
+                                                                      Mapping)), None)
+            if inner is None:
+                break
+            content = inner
+    if not isinstance(content, Mapping):
+        raise ModelSpecError(f"{where}: {str(path)!r} holds no state dict.")
+    own = model.state_dict()
+    fits = {k: v for k, v in content.items()
+            if isinstance(v, torch.Tensor) and k in own and own[k].shape == v.shape}
+    model.load_state_dict(fits, strict=False)
+    left = sorted(set(own) - set(fits))
+    if left:
+        logger.warning("%s: %d tensors kept as initialised (not in models/model.pt, or "
+                       "another shape): %s%s", where, len(left), ", ".join(left[:6]),
+                       " …" if len(left) > 6 else "")
