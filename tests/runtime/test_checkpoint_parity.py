@@ -324,3 +324,21 @@ def test_keywords_named_like_remat3d_options_reach_the_function():
     with pytest.raises(Remat3dError, match="given both directly and in fn_kwargs"):
         remat3d.checkpoint(lambda t, scale: t * scale, x, scale=2.0,
                            fn_kwargs={"scale": 3.0})
+
+
+def test_an_applied_plan_runs_under_inference_mode():
+    """nnU-Net validates and predicts under torch.inference_mode(): a planned network gives
+    the unplanned outputs there (inference tensors have no version counter to check)."""
+    net = nn.Sequential(_block(), nn.Conv3d(2, 2, 1), _block())
+    x = _x().detach()
+    with torch.inference_mode():
+        want = net(x)
+    remat3d.apply(net, remat3d.Plan(regions=[remat3d.Region("0"), remat3d.Region("2")]))
+    try:
+        with torch.inference_mode():
+            got = net(x)
+        assert torch.equal(got, want)
+        with torch.inference_mode():
+            assert torch.equal(remat3d.checkpoint(net[1], x), net[1](x))
+    finally:
+        remat3d.remove(net)

@@ -162,3 +162,50 @@ def test_a_span_naming_a_node_the_forward_lacks_is_refused_and_nothing_is_left()
 def test_a_graph_plan_has_no_spans():
     with pytest.raises(PlanError, match="spans"):
         Plan(graph_recompute=["a"], spans={"": [["a"]]})
+
+
+class SupervisedDecoder(Decoder):
+    """With nnU-Net's deep_supervision flag: a list of outputs while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deep_supervision = True
+        self.aux = nn.Conv3d(8, 2, 1)
+
+    def forward(self, skips):
+        x = skips[-1]
+        outputs = []
+        for s in range(len(self.stages)):
+            x = self.transpconvs[s](x)
+            x = torch.cat((x, skips[-(s + 2)]), 1)
+            x = self.stages[s](x)
+            if s == 0:
+                outputs.append(self.aux(x))
+        out = self.head(x)
+        return [out, *outputs] if self.deep_supervision else out
+
+
+def test_spans_follow_the_parents_settings():
+    """NOTE [ Spans of a parent's forward ] rule 7: nnU-Net's validation turns deep
+    supervision off on a planned network; the spans' trace follows (one output, as the
+    forward gives), with grad and without."""
+    net = Net()
+    net.decoder = SupervisedDecoder()
+    x = torch.randn(X)
+    reference = copy.deepcopy(net)
+    plan = Plan(regions=[Region("decoder.@0"), Region("decoder.@1")],
+                spans=find_spans(net, ["decoder"]))
+    remat3d.apply(net, plan)
+    try:
+        assert isinstance(net(x), list)
+        for model in (net, reference):
+            model.decoder.deep_supervision = False
+        with torch.no_grad():
+            got, want = net(x), reference(x)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+        got, want = train_step(net, x), train_step(reference, x)
+        assert len(got[0]) == len(want[0]) == 1  # one output with grad too
+        assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+        assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    finally:
+        remat3d.remove(net)

@@ -170,3 +170,31 @@ def test_an_nnunet_raw_dataset_is_read_as_nnunet_lays_it_out(nnunet: Path,
     (copy / "imagesTr" / "case001_0001.nii.gz").unlink()
     with pytest.raises(DataError, match="case 'case001' lacks case001_0001.nii.gz"):
         read_datalist(copy)
+
+
+def test_nnunets_trainer_trains_whole_volumes_under_a_budget(nnunet: Path) -> None:
+    """``remat3d nnunet train`` (``remat3d.train.nnunet``): nnU-Net's trainer, one short CPU
+    epoch on the whole volumes of the preprocessed dataset, planned under a budget that
+    needs a plan; nnU-Net's usual outputs, a checkpoint its own predictor can load."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "nnUNet_n_proc_DA": "0",
+           **{name: str(nnunet / name) for name in ("nnUNet_raw", "nnUNet_preprocessed",
+                                                    "nnUNet_results")}}
+    result = subprocess.run(
+        [sys.executable, "-m", "remat3d", "nnunet", "train", "1", "3d_fullres", "all",
+         "--budget", "0.9x", "--device", "cpu", "--epochs", "1",
+         "--iterations-per-epoch", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    fold = (nnunet / "nnUNet_results" / "Dataset001_Tiny"
+            / "nnUNetTrainerRemat3d__nnUNetPlans__3d_fullres" / "fold_all")
+    for name in ("checkpoint_final.pth", "progress.png", "debug.json",
+                 "validation/summary.json"):
+        assert (fold / name).is_file(), name
+    log = "".join(p.read_text() for p in fold.glob("training_log_*.txt"))
+    assert "remat3d: whole volumes: patch 32x32x32" in log
+    assert "remat3d: remat3d plan:" in log and "torch.compile off" in log
+    checkpoint = torch.load(fold / "checkpoint_final.pth", map_location="cpu",
+                            weights_only=False)
+    assert checkpoint["trainer_name"] == "nnUNetTrainer"  # nnUNetv2_predict finds it
+    assert build_model(str(fold / "checkpoint_final.pth")).state_dict().keys() == \
+        checkpoint["network_weights"].keys()

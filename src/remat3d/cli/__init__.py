@@ -12,6 +12,7 @@ import typer
 from remat3d.cli.bench import bench_app
 from remat3d.cli.common import user_errors
 from remat3d.cli.demo import demo_command
+from remat3d.cli.nnunet import nnunet_app
 from remat3d.cli.plan import plan_command
 from remat3d.cli.profile import profile_command
 from remat3d.cli.train import train_command
@@ -39,6 +40,7 @@ app.command("train", context_settings={"allow_extra_args": True,
                                        "ignore_unknown_options": True})(
     user_errors(train_command))
 app.command("demo")(user_errors(demo_command))
+app.add_typer(nnunet_app, name="nnunet")
 
 
 def main() -> None:

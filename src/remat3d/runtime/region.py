@@ -133,7 +133,9 @@ class _Region:
             leaves, spec = tree_flatten((args, kwargs))
             self.recompute_inputs = ([weakref.ref(v) if isinstance(v, torch.Tensor)
                                       else (lambda v=v: v) for v in leaves], spec)
-        inputs = _input_tensors(args, kwargs)
+        # (inference tensors have no version counter, and nothing is saved for a backward
+        # under inference mode: no recomputation to protect)
+        inputs = [t for t in _input_tensors(args, kwargs) if not t.is_inference()]
         versions = [t._version for t in inputs]
         out = self.fn(*args, **kwargs)
         for t, version in zip(inputs, versions):

@@ -34,6 +34,13 @@ NOTE [ Spans of a parent's forward ]
      refuses a plan whose span names a node the forward does not have.
   6. Exact: the graph runs the same Python-level calls as the forward it was traced from
      (the children's own ``__call__``, hooks included), in the same order.
+  7. A trace holds the branches its forward took on the parent's settings then (nnU-Net's
+     ``decoder.deep_supervision``, which its validation turns off). The parent's plain
+     settings (its training flag, its attributes that are numbers, strings, None or
+     tuples of them) are read at each call; when they changed, the forward is traced
+     again and the spans found anew. A span the new trace does not have is an error with
+     grad (the plan was made for the other settings: plan again); without grad (nothing
+     saved, nothing planned) the parent's own forward runs instead.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from remat3d.errors import PlanError
@@ -276,6 +284,7 @@ class SpannedForward:
         prefix = f"{name}." if name else ""
         self.spans = [Span(parent, f"{prefix}@{k}", nodes) for k, nodes in enumerate(spans)]
         self._run: fx.GraphModule | None = None
+        self._key: tuple | None = None  # the parent's settings it was traced with (rule 7)
 
     def build(self) -> None:
         graph = None if self.original is not None else _shallow_graph(self.parent,
@@ -322,8 +331,16 @@ class SpannedForward:
         self._run = _module(graph.nodes, self.parent, extra, new)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._run is None:
-            self.build()
+        key = _settings(self.parent)
+        if self._run is None or key != self._key:  # NOTE rule 7
+            try:
+                self.build()
+            except PlanError:
+                if torch.is_grad_enabled():
+                    raise
+                self._run = None
+                return type(self.parent).forward(self.parent, *args, **kwargs)
+            self._key = key
         assert self._run is not None
         return self._run(*args, **kwargs)
 
@@ -336,7 +353,24 @@ class SpannedForward:
         new.original = copy.deepcopy(self.original, memo)
         new.spans = [copy.deepcopy(s, memo) for s in self.spans]
         new._run = None
+        new._key = None
         return new
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(module: nn.Module) -> tuple:
+    """The plain values a traced forward may have branched on (NOTE rule 7): the module's
+    training flag and its attributes that are numbers, strings, None or tuples of them."""
+    items = [("training", module.training)]
+    for key, value in module.__dict__.items():
+        if key.startswith("_"):
+            continue
+        if isinstance(value, _PLAIN) or (isinstance(value, tuple)
+                                         and all(isinstance(v, _PLAIN) for v in value)):
+            items.append((key, value))
+    return tuple(items)
 
 
 def install_spans(model: nn.Module, spans: Mapping[str, list[list[str]]], *,
