@@ -63,10 +63,11 @@ def _block(norm: str, act: str) -> nn.Sequential:
                          nn.Conv3d(4, 3, 1))
 
 
-def _tiled_step(block: nn.Module, x: torch.Tensor, tile_size: object
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _tiled_step(block: nn.Module, x: torch.Tensor, tile_size: object,
+                stash: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step, untiled (``tile_size`` None) or tiled (with ``stash``: test_stash.py)."""
     xi = x.clone().requires_grad_(True)
-    out = block(xi) if tile_size is None else tile(block, xi, tile=tile_size)
+    out = block(xi) if tile_size is None else tile(block, xi, tile=tile_size, stash=stash)
     seed = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
     (out * seed).sum().backward()
     values = {n: p.grad.clone() for n, p in block.named_parameters()}

@@ -25,18 +25,6 @@ from tests.tiling.test_fused import FUSED, TinyUNet, _step, assert_same_step
 from tests.tiling.test_norms import TOL64, _block, _tiled_step
 
 
-def _stashed_step(block: nn.Module, x: torch.Tensor, tile_size: object, stash: str | None
-                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    xi = x.clone().requires_grad_(True)
-    out = tile(block, xi, tile=tile_size, stash=stash)
-    seed = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
-    (out * seed).sum().backward()
-    values = {n: p.grad.clone() for n, p in block.named_parameters()}
-    values["input"] = xi.grad
-    values.update({n: b.clone().to(out.dtype) for n, b in block.named_buffers()})
-    return out.detach(), values
-
-
 @pytest.mark.parametrize("stash", ["device", "host"])
 @pytest.mark.parametrize("norm", ["instance", "instance-affine-running-eps-momentum",
                                   "group-affine-eps", "batch", "batch-cumulative"])
@@ -47,7 +35,7 @@ def test_stashed_run_equals_the_untiled_step(norm: str, act: str, stash: str) ->
     x = torch.randn(2, 2, 10, 12, 7, dtype=torch.float64)
     reference = _tiled_step(copy.deepcopy(block), x, None)
     for tile_size in ((10, 6, 7), (4, 3, 5)):
-        got = _stashed_step(copy.deepcopy(block), x, tile_size, stash)
+        got = _tiled_step(copy.deepcopy(block), x, tile_size, stash)
         assert_same_step(reference, got, TOL64)
         for name, value in reference[1].items():  # running statistics updated once
             assert torch.allclose(got[1][name], value, rtol=TOL64, atol=TOL64), (name, stash)
@@ -59,8 +47,8 @@ def test_host_and_device_stashes_give_the_same_bits() -> None:
         torch.manual_seed(0)
         block = _block("instance-affine", "leakyrelu-inplace")
         x = torch.randn(1, 2, 12, 10, 9)
-        device = _stashed_step(copy.deepcopy(block), x, (5, 4, 4), "device")
-        host = _stashed_step(copy.deepcopy(block), x, (5, 4, 4), "host")
+        device = _tiled_step(copy.deepcopy(block), x, (5, 4, 4), "device")
+        host = _tiled_step(copy.deepcopy(block), x, (5, 4, 4), "host")
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(device[0], host[0])
@@ -126,7 +114,7 @@ def test_residual_and_inplace_inputs_are_exact() -> None:
     assert sorted(run.stash_nodes) == [0, 1]  # norm3's input is written in place
     reference = _tiled_step(copy.deepcopy(block), x, None)
     for stash in ("device", "host"):
-        assert_same_step(reference, _stashed_step(copy.deepcopy(block), x, 4, stash), TOL64)
+        assert_same_step(reference, _tiled_step(copy.deepcopy(block), x, 4, stash), TOL64)
 
 
 def test_a_stashed_reader_of_fused_outputs_is_exact() -> None:
