@@ -16,7 +16,6 @@ trust (as with a ``.py`` file). The weights are read with ``torch.load(weights_o
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import tempfile
@@ -29,10 +28,9 @@ import torch
 from torch import nn
 
 from remat3d.errors import ModelSpecError, quoted
+from remat3d.zoo.fitting import load_fitting
 
 __all__ = ["build_from_bundle", "bundle_root", "is_bundle"]
-
-logger = logging.getLogger(__name__)
 
 _CONFIGS = ("train", "inference")
 _SUFFIXES = (".json", ".yaml", ".yml")
@@ -115,7 +113,7 @@ def build_from_bundle(spec: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
                              "torch.nn.Module.")
     weights = root / "models" / "model.pt"
     if weights.is_file() and not any(p.is_meta for p in model.parameters()):
-        _load(model, weights, where)
+        _load(model, weights, where)  # (on meta, for planning: no values to read)
     return model
 
 
@@ -135,12 +133,4 @@ def _load(model: nn.Module, path: Path, where: str) -> None:
             content = inner
     if not isinstance(content, Mapping):
         raise ModelSpecError(f"{where}: {str(path)!r} holds no state dict.")
-    own = model.state_dict()
-    fits = {k: v for k, v in content.items()
-            if isinstance(v, torch.Tensor) and k in own and own[k].shape == v.shape}
-    model.load_state_dict(fits, strict=False)
-    left = sorted(set(own) - set(fits))
-    if left:
-        logger.warning("%s: %d tensors kept as initialised (not in models/model.pt, or "
-                       "another shape): %s%s", where, len(left), ", ".join(left[:6]),
-                       " …" if len(left) > 6 else "")
+    load_fitting(model, content, where)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from remat3d.errors import ModelSpecError, quoted
+from remat3d.zoo.fitting import load_fitting
 
 __all__ = ["NNUNET_PREFIX", "build_from_checkpoint", "build_from_plans",
            "checkpoint_safe_globals", "is_nnunet_checkpoint", "parse_plans_spec",
@@ -240,15 +241,6 @@ def build_from_checkpoint(path: str | os.PathLike[str], **kwargs: Any) -> nn.Mod
         raise ModelSpecError(f"{where}: its init_args lack {exc}.") from None
     model = _network(dict(plans), str(configuration), dict(dataset_json), kwargs, where,
                      content.get("trainer_name"))
-    if any(p.is_meta for p in model.parameters()):
-        return model  # built on meta (for planning): no values to load
-    weights = {k.removeprefix("_orig_mod."): v
-               for k, v in content["network_weights"].items()}
-    own = model.state_dict()
-    fits = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
-    model.load_state_dict(fits, strict=False)
-    left = sorted(set(own) - set(fits))
-    if left:
-        logger.warning("%s: %d tensors kept as initialised (a changed task): %s%s", where,
-                       len(left), ", ".join(left[:6]), " …" if len(left) > 6 else "")
+    load_fitting(model, {k.removeprefix("_orig_mod."): v
+                         for k, v in content["network_weights"].items()}, where)
     return model

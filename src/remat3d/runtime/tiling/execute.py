@@ -53,7 +53,8 @@ from remat3d.instrument.tensors import tensors_in
 from remat3d.runtime.tiling.signatures import bind, func_name
 from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp
 
-__all__ = ["REGION", "REPLACE", "SKIP", "Stashing", "StopPass", "crop", "region_of"]
+__all__ = ["REGION", "REPLACE", "SKIP", "Stashing", "StopPass", "crop", "region_of",
+           "whole_region"]
 
 REGION = "_remat3d_tile_region"
 SKIP = "skip"        # an op whose result the pass does not need: an uninitialised tensor
@@ -72,6 +73,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def region_of(t: torch.Tensor) -> Region:
     region: Region = getattr(t, REGION)
     return region
+
+
+def whole_region(t: torch.Tensor) -> Region:
+    """The region a whole 5-D tensor covers (from 0 on each spatial axis)."""
+    return tuple((0, n) for n in t.shape[2:])
 
 
 def crop(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
@@ -255,7 +261,7 @@ class TileMode(TorchFunctionMode):
 
         assert self.stashing is not None and self.device is not None
         whole = self.stashing.read[op.spatial.output]
-        piece = crop(whole, tuple((0, n) for n in whole.shape[2:]), want)
+        piece = crop(whole, whole_region(whole), want)
         value = to_device(piece, self.device) if is_host(whole) else piece.clone()
         return value.requires_grad_(torch.is_grad_enabled())
 
@@ -357,7 +363,7 @@ class TileMode(TorchFunctionMode):
             owned = self.owned[j]
             if region_size(owned):
                 whole = self.stashing.write[j]
-                crop(whole, tuple((0, n) for n in whole.shape[2:]), owned).copy_(
+                crop(whole, whole_region(whole), owned).copy_(
                     crop(x, region_of(x), owned).detach())
         if self.stop_at == j:
             if spec.updates_running:

@@ -79,6 +79,7 @@ from remat3d.runtime.tiling.execute import (
     TileMode,
     crop,
     region_of,
+    whole_region,
 )
 from remat3d.runtime.tiling.host import (
     add_into_host,
@@ -207,7 +208,10 @@ class TiledRun:
     def _schedule(self, passes: list[tuple[int, set[int], list[int]]]
                   ) -> list[tuple[dict[int, str], list[int], list[int]]]:
         """Per pass (last op, stashed nodes it may read, stashes it writes): its actions,
-        the stashes it writes, and the nodes whose stashes are freed after it."""
+        the stashes it writes, and the nodes whose stashes are freed after it (a run
+        without stashes skips nothing: no walk of its ops)."""
+        if not self.stash:
+            return [({}, [], []) for _ in passes]
         acts = [self._actions(last, available) for last, available, _ in passes]
         last_read: dict[int, int] = {}
         for p, actions in enumerate(acts):
@@ -320,7 +324,7 @@ class TiledRun:
             ys, _, _ = self.run_tile(k, inputs, stashing=stashing)
         assert ys is not None
         for out, y, region in zip(outs, ys, self.out_owned[k]):
-            crop(out, _whole(out), region).copy_(y)
+            crop(out, whole_region(out), region).copy_(y)
 
     def _update_running(self) -> None:
         for stats in self.stats:
@@ -340,7 +344,7 @@ class TiledRun:
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This tile's outputs that have a gradient, and their gradients' matching parts."""
         def part(dy: torch.Tensor, region: Region) -> torch.Tensor:
-            dy = crop(dy, _whole(dy), region)
+            dy = crop(dy, whole_region(dy), region)
             return to_device(dy, self.device) if self.host_outputs else dy
 
         pairs = [(y, part(dy, region))
@@ -432,7 +436,7 @@ class TiledRun:
                 g = next(it)
                 target = dx[i]
                 if g is not None and target is not None:
-                    part = crop(target, _whole(target), region_of(local[i]))
+                    part = crop(target, whole_region(target), region_of(local[i]))
                     if self.host_inputs[i]:
                         add_into_host(part, g)
                     else:
@@ -480,10 +484,6 @@ class _Repeats:
         repeat = tracker.end_repeat(start)
         if repeat is not None:
             self.seen[key] = repeat
-
-
-def _whole(t: torch.Tensor) -> Region:
-    return tuple((0, n) for n in t.shape[2:])
 
 
 @contextlib.contextmanager
