@@ -19,6 +19,11 @@ NOTE [ Which plan optimal chooses ]
      budget below the graph's recompute floor (``planner/liveness.py``, NOTE [ The
      recompute floor ], less ``_FLOOR_SLACK``) skips the graph search: the notes give the
      floor, and the search runs only for the error's smallest peak, if the modules fail.
+     Below that floor no untiled module plan fits either (offload moves saved tensors,
+     not what a backward op reads nor the gradients the floor counts; measured on the
+     zoo, the smallest untiled plan with offload lies 6-89 % above it): their search is
+     skipped too, and tiling tried at once. Only when tiling fails too are the untiled
+     searches run, for the error's smallest peak (or their plan, should one fit).
   3. A step that cannot be traced as one graph (``CaptureError``) is planned by its modules;
      the reason is logged and in the plan's notes (``graph=True`` warns with it).
   4. ``graph=False`` is module plans only (what a hand-written plan, the trainer under
@@ -231,6 +236,7 @@ def plan(
                   rebuild_saved=not compiled)
 
     fallback, graph_smallest, below_floor = None, None, None
+    untiled_floor = 0  # NOTE rule 2: no plan without tiling peaks below it
     step_flops = prof.graph.forward_flops + prof.graph.backward_flops
     # an unplanned step that fits needs no graph (a module plan of nothing)
     if chooses and (explicit or prof.peak_bytes > budget_bytes):
@@ -241,6 +247,7 @@ def plan(
             if not explicit and floor.bytes * (1 - _FLOOR_SLACK) > budget_bytes:
                 # no recompute set can fit: the search and its measurement are skipped
                 below_floor = captured
+                untiled_floor = int(floor.bytes * (1 - _FLOOR_SLACK))
                 fallback = (f"no graph plan fits {format_bytes(budget_bytes)} (every "
                             f"recompute set holds {format_bytes(floor.bytes)} or more, at "
                             f"{floor.node}): a module plan")
@@ -287,11 +294,15 @@ def plan(
         order = [(attempts[0], False), (attempts[1], tile), *([(attempts[0], True)]
                                                               if tile else [])]
     failures: list[InfeasibleBudgetError] = []
-    for attempt, tiled in order:
+    # NOTE rule 2: below the floor the untiled searches run last, only if tiling fails
+    deferred = [(a, t) for a, t in order if t or below_floor is None] + \
+        [(a, t) for a, t in order if not t and below_floor is not None]
+    for attempt, tiled in deferred:
         logger.info("searching module plans%s%s", " with spans" if attempt.header.spans else "",
                     ", tiling where nothing else fits" if tiled else "")
         try:
-            chosen = attempt.search(budget_bytes, strategy, offload, verify, tiled)
+            chosen = attempt.search(budget_bytes, strategy, offload, verify, tiled,
+                                    untiled_floor=untiled_floor)
             break
         except InfeasibleBudgetError as exc:
             failures.append(exc)
@@ -329,7 +340,7 @@ class _Attempt:
         self.measured: dict[str, Measured] = {}
 
     def search(self, budget: int, strategy: str, offload: bool, verify: bool,
-               tiled: bool) -> Plan:
+               tiled: bool, untiled_floor: int = 0) -> Plan:
         if self.probed is None:
             self.probed = spanned_copy(self.model, self.header.spans)
         if self.prof is None:
@@ -353,7 +364,8 @@ class _Attempt:
             options=PlannerOptions(offload=offload), header=self.header,
             step_flops=graph.forward_flops + graph.backward_flops,
             unplanned_peak=self.prof.peak_bytes, verify=remembered if verify else None,
-            tileable=tileable if tiled else None))
+            tileable=tileable if tiled else None,
+            untiled_floor=untiled_floor if tiled else 0))
 
 
 def _cached(key: tuple, chosen: Plan) -> Plan:

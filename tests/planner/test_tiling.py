@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -107,6 +108,30 @@ def test_optimal_tiles_below_the_recomputation_floor() -> None:
     remat3d.apply(tiled, plan)
     x = torch.randn(SHAPE, dtype=torch.float64)
     assert_same_step(_step(net, x), _step(tiled, x), 1e-12)
+
+
+def test_below_the_recompute_floor_tiling_is_searched_first(caplog) -> None:  # type: ignore[no-untyped-def]
+    """``planning.py`` NOTE [ Which plan optimal chooses ] rule 2: no plan without tiling,
+    offload or not, peaks below the recompute floor; a budget under it goes to tiling at
+    once, and the untiled searches run only for an error's smallest peak."""
+    from remat3d.capture.joint import capture
+    from remat3d.planner.liveness import recompute_floor
+    from remat3d.planning import clear_plan_cache
+
+    torch.manual_seed(0)
+    net = TinyUNet()
+    floor = recompute_floor(capture(net, torch.empty(SHAPE, device="meta")).graph).bytes
+    for offload in (False, True):
+        assert _smallest_budget(net, tile=False, graph=False, offload=offload) >= floor
+    smallest = _smallest_budget(net)
+    assert smallest < 0.97 * floor  # what tiling reaches, below the floor less its slack
+    clear_plan_cache()  # (another test may have planned this network at that budget)
+    with caplog.at_level(logging.INFO, logger="remat3d.planning"):
+        plan = remat3d.plan(net, SHAPE, budget=smallest)
+    verified = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("verifying a candidate plan")]
+    assert verified and all("tiled" in m for m in verified), verified  # none untiled
+    assert any(r.decision == "tile" for r in plan.regions)
 
 
 def test_a_tiled_plan_keeps_the_stages_that_still_fit() -> None:

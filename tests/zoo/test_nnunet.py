@@ -198,3 +198,39 @@ def test_nnunets_trainer_trains_whole_volumes_under_a_budget(nnunet: Path) -> No
     assert checkpoint["trainer_name"] == "nnUNetTrainer"  # nnUNetv2_predict finds it
     assert build_model(str(fold / "checkpoint_final.pth")).state_dict().keys() == \
         checkpoint["network_weights"].keys()
+
+
+def _compiled_trainer(root: Path, budget: str, backend: str) -> tuple[dict, str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.zoo.nnunet_compiled", str(root), budget, backend],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+        text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stdout
+
+
+@pytest.mark.parametrize("budget", ["1.2x", "0.9x"])
+def test_where_nnunet_compiles_the_trainer_plans_for_the_compiled_step(
+        nnunet: Path, budget: str) -> None:
+    """nnU-Net compiles on CUDA by default (``tests/zoo/nnunet_compiled.py`` answers as
+    there): a budget that recompute regions reach keeps the network compiled with a plan
+    for compiled steps, gradients bitwise the unplanned eager network's under
+    ``aot_eager``; one only tiling reaches runs it eagerly with the tiled plan, and the
+    log says why (train/nnunet.py rule 3)."""
+    result, log = _compiled_trainer(nnunet, budget, "aot_eager")
+    if budget == "1.2x":  # above the unplanned step less the momentum: recompute suffices
+        assert result["compiled"] and not result["tiled"] and result["regions"] > 0
+        assert "torch.compile on (nnU-Net's choice)" in log
+        assert result["gradient_difference"] == 0.0
+    else:
+        assert not result["compiled"] and result["tiled"]
+        assert "torch.compile off: no plan for a compiled step fits" in log
+        # tiled: fp32 summation order; float64 exactness is tests/tiling/test_norms.py's
+        assert result["gradient_difference"] < 1e-2
+
+
+@pytest.mark.slow
+def test_the_trainers_compiled_step_runs_under_inductor(nnunet: Path) -> None:
+    result, _ = _compiled_trainer(nnunet, "1.2x", "inductor")
+    assert result["compiled"] and result["regions"] > 0
+    assert result["gradient_difference"] < 1e-2  # inductor's own rounding, not the plan's

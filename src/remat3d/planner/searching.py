@@ -86,6 +86,11 @@ class Problem:
     verify: Verifier | None = None   # None: plans are predicted, not measured
     # which stages may run tiled (asked only when no other plan fits); None: no tiling
     tileable: Callable[[], list[bool]] | None = None
+    # a lower bound on the peak of every plan without tiling (the recompute floor, less
+    # its slack: ``planning.py`` NOTE [ Which plan optimal chooses ] rule 2); above the
+    # budget, ``optimal`` with tiling tries tiling first and measures untiled plans only
+    # for the error's smallest peak
+    untiled_floor: int = 0
 
 
 def search(problem: Problem) -> Plan:
@@ -201,13 +206,15 @@ class _Search:
                 return chosen
             raise self.infeasible(self.smallest_feasible())
         verify = self.p.verify is not None
-        seeds = self.seeds()
+        tiles = verify and self.p.tileable is not None
+        untiled = not tiles or self.p.untiled_floor <= self.budget
+        seeds = self.seeds() if untiled else []
         if verify:
             seeds = [self.prune(seed) for seed in seeds]
         if seeds:
             return min(seeds, key=lambda p: p.recompute_flops or 0)
-        smallest = self.smallest_feasible()
-        if verify and self.p.tileable is not None:
+        smallest = self.smallest_feasible() if untiled else 1 << 62
+        if tiles:
             # below every plan of keep / recompute / offload decisions: tile
             ok = self.p.tileable()
             norms = stage_norms(self.p.graph, self.stages)
@@ -234,6 +241,8 @@ class _Search:
                 tiled = stash_where_room(tiled, self.budget, self.stages, self.check, norms,
                                          readers)
                 return prune_tiled(tiled, self.budget, self.stages, self.check)
+            if not untiled:  # below the untiled floor: their smallest, for the error only
+                smallest = min(smallest, self.smallest_feasible())
         raise self.infeasible(smallest)
 
     def infeasible(self, smallest: int) -> InfeasibleBudgetError:

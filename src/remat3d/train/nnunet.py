@@ -3,7 +3,8 @@ FOLD --budget 24GiB``.
 
 ``nnUNetTrainerRemat3d`` is nnU-Net's ``nnUNetTrainer`` with three changes; everything else
 (preprocessing, augmentation, the Dice + cross-entropy loss with deep supervision, SGD and
-its schedule, logging, checkpoints, validation) is nnU-Net's:
+its schedule, ``torch.compile`` where nnU-Net compiles, logging, checkpoints, validation)
+is nnU-Net's:
 
 1. The patch is the whole volume: the largest preprocessed training case, padded to the
    network's divisor (the product of its strides per axis), batch 1. nnU-Net's loader pads
@@ -11,9 +12,14 @@ its schedule, logging, checkpoints, validation) is nnU-Net's:
 2. After nnU-Net builds the network, remat3d plans that step under the budget
    (``remat3d.plan``; the SGD momentum buffers, one per parameter, are taken off the budget
    first) and applies the plan; the plan is written to nnU-Net's training log.
-3. ``torch.compile`` is off whatever ``nnUNet_compile`` says: the plan runs eagerly, as it
-   was verified (a compiled step could hold more than the verified one), and the log says
-   so.
+3. ``torch.compile`` is nnU-Net's choice, as with ``nnUNetv2_train`` (on by default on
+   CUDA; ``nnUNet_compile=f`` turns it off; nnU-Net never compiles on CPU). Where nnU-Net
+   compiles, the step is planned for compilation first (``remat3d.plan(...,
+   compiled=True)``: recompute regions, which inductor's partitioner recomputes inside
+   its graphs); where no such plan fits the budget, the network runs eagerly with the
+   plan that does (tiled, offloaded), and the log says why. A compiled step's peak is
+   inductor's, not a verified one: on CUDA the first training step's allocator peak is
+   logged beside the budget, compiled or not.
 
 Its checkpoints name ``nnUNetTrainer`` as their trainer, whose network they hold (the
 module tree and ``state_dict`` of a planned network are the unplanned one's), so nnU-Net's
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
+from torch._dynamo import OptimizedModule  # what nnU-Net checks for compiled networks
 
 from remat3d.units import format_bytes, format_shape
 
@@ -65,19 +72,14 @@ class nnUNetTrainerRemat3d(nnUNetTrainer):  # nnU-Net's naming: its lookups matc
             self.num_iterations_per_epoch = run.iterations_per_epoch
             self.num_val_iterations_per_epoch = max(1, run.iterations_per_epoch // 5)
         self.remat3d_plan: Any = None
-
-    def _do_i_compile(self) -> bool:  # rule 3
-        return False
+        self.remat3d_budget = 0
+        self.remat3d_peak_logged = False
 
     def initialize(self) -> None:
         if self.was_initialized:
             return
         self._whole_volume_patch()  # before nnU-Net sizes its batches and loaders
-        super().initialize()
-        self.print_to_log_file("remat3d: torch.compile off (nnUNet_compile="
-                               f"{os.environ.get('nnUNet_compile', 'unset')} is not used): "
-                               "the plan runs eagerly, as verified.",
-                               also_print_to_console=True)
+        super().initialize()  # nnU-Net compiles the network here where it compiles
         self._plan_step()
 
     def _whole_volume_patch(self) -> None:
@@ -104,29 +106,66 @@ class nnUNetTrainerRemat3d(nnUNetTrainer):  # nnU-Net's naming: its lookups matc
 
     def _plan_step(self) -> None:
         import remat3d
+        from remat3d.errors import InfeasibleBudgetError
         from remat3d.planning import resolve_budget
 
         run = type(self).remat3d_run
+        compiled = isinstance(self.network, OptimizedModule)  # nnU-Net compiled it
+        network = self.network._orig_mod if compiled else self.network
         patch = self.configuration_manager.patch_size
         shape = (1, self.num_input_channels, *patch)
         amp = "fp16" if self.device.type == "cuda" else None  # nnU-Net's autocast
-        momentum = sum(p.numel() * p.element_size() for p in self.network.parameters())
-        unplanned = remat3d.profile(self.network, shape, device="meta", amp=amp).peak_bytes
+        momentum = sum(p.numel() * p.element_size() for p in network.parameters())
+        unplanned = remat3d.profile(network, shape, device="meta", amp=amp).peak_bytes
         if run.budget == "auto" and self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[0]
         elif run.budget == "auto":
             total = unplanned + momentum  # no device to fit: the unplanned step
         else:
             total = resolve_budget(run.budget, unplanned)
+        self.remat3d_budget = total
         step = total - momentum
-        self.print_to_log_file(f"remat3d: budget {format_bytes(total)} = "
-                               f"{format_bytes(momentum)} SGD momentum + {format_bytes(step)} "
-                               f"for the step (unplanned {format_bytes(unplanned)})",
-                               also_print_to_console=True)
-        plan = remat3d.plan(self.network, shape, budget=step, amp=amp, offload=run.offload)
-        remat3d.apply(self.network, plan)
+        self._log(f"budget {format_bytes(total)} = {format_bytes(momentum)} SGD momentum + "
+                  f"{format_bytes(step)} for the step (unplanned {format_bytes(unplanned)})")
+        plan = None
+        if compiled:  # rule 3: a plan for compiled steps, where one fits
+            try:
+                plan = remat3d.plan(network, shape, budget=step, amp=amp, compiled=True)
+            except InfeasibleBudgetError as exc:
+                self.network = network
+                self._log(f"torch.compile off: no plan for a compiled step fits "
+                          f"{format_bytes(step)} (recompute alone reaches "
+                          f"{format_bytes(exc.smallest_feasible_bytes)}); the network "
+                          "runs eagerly with a plan that fits (tiling, offload)")
+            else:
+                self._log("torch.compile on (nnU-Net's choice), planned for compiled "
+                          "steps: the compiled step's peak is inductor's")
+        if plan is None:
+            plan = remat3d.plan(network, shape, budget=step, amp=amp, offload=run.offload)
+            if not compiled:
+                self._log("torch.compile off (nnU-Net's choice on this device and "
+                          f"nnUNet_compile={os.environ.get('nnUNet_compile', 'unset')}): "
+                          "the plan runs eagerly, as verified")
+        remat3d.apply(network, plan)
         self.remat3d_plan = plan
-        self.print_to_log_file("remat3d: " + plan.summary(), also_print_to_console=True)
+        self._log(plan.summary())
+
+    def train_step(self, batch: dict) -> dict:
+        """nnU-Net's step; on CUDA the first one's allocator peak is logged (rule 3)."""
+        if self.device.type != "cuda" or self.remat3d_peak_logged:
+            return super().train_step(batch)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        result = super().train_step(batch)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.remat3d_peak_logged = True
+        self._log(f"first training step: allocator peak {format_bytes(peak)}, budget "
+                  f"{format_bytes(self.remat3d_budget)}"
+                  + ("" if peak <= self.remat3d_budget else " (exceeded: plan with a "
+                     "smaller --budget, or set nnUNet_compile=f)"))
+        return result
+
+    def _log(self, message: str) -> None:
+        self.print_to_log_file("remat3d: " + message, also_print_to_console=True)
 
     def save_checkpoint(self, filename: str) -> None:
         """nnU-Net's checkpoint, naming ``nnUNetTrainer`` as its trainer (module
