@@ -327,6 +327,64 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     assert verified == [(0,), (0, 1, 2)]
 
 
+def test_the_fine_tile_is_a_second_sweep_after_every_coarse_layout() -> None:
+    """Rule 5: by default a half and a quarter of the volume's shortest edge, then the
+    same order again with an eighth, for budgets the larger tiles cannot reach."""
+    prof = profile(TinyUNet(), (1, 1, 128, 128, 128), device="meta")
+    stages = build_stages(prof.graph)
+    every = layouts(prof.graph, stages, [True] * len(stages.stages))
+    tiles = [lay.tile for lay in every]
+    assert set(tiles) == {64, 32, 16}
+    first = tiles.index(16)
+    assert all(lay.fine and lay.tile == 16 for lay in every[first:])
+    assert not any(lay.fine for lay in every[:first])
+    assert [(lay.depth, lay.fuse) for lay in every[first:]] == \
+        [(lay.depth, lay.fuse) for lay in every[:first] if lay.tile == 64]
+    small = profile(TinyUNet(), SHAPE, device="meta")  # an eighth of 32 is under 16
+    assert not any(lay.fine for lay in layouts(small.graph, build_stages(small.graph),
+                                               [True] * len(stages.stages)))
+
+
+def test_the_coarse_sweeps_repairs_come_before_the_fine_sweep() -> None:
+    from remat3d.planner.registry import PlannerOptions
+    from remat3d.planner.stages import Stage, StageModel
+    from remat3d.planner.tiled_plans import first_fitting_layout
+    from remat3d.planner.tiling import Layout
+    from remat3d.planspec import Plan
+
+    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
+                                for i in range(2)],
+                        base=0, glue_saved=[0, 0], pending=[0, 0], grads_after=[0, 0])
+
+    def lay(tiled: set[int], edge: int, added: tuple[str, ...] = ()) -> Layout:
+        return Layout(depth=1, fuse="none", tile=edge, added=added, fine=edge == 2,
+                      tiled=dict.fromkeys(sorted(tiled), ((edge,) * 3, "device")))
+
+    peaks = {((0,), 4): (80, "s1.conv"), ((0, 1), 4): (30, None),
+             ((0,), 2): (40, None)}
+    verified: list[tuple[tuple[int, ...], int]] = []
+
+    def check(plan: Plan) -> Plan:
+        tiled = [r for r in plan.regions if r.decision == "tile"]
+        key = (tuple(int(r.module[1]) for r in tiled), tiled[0].tile[0])
+        verified.append(key)
+        plan.verified_peak_bytes, plan.verified_peak_module = peaks[key]
+        return plan
+
+    def extend(layout: Layout, module: str | None) -> Layout | None:
+        s = int(module[1]) if module else None
+        if s is None or s in layout.tiled:
+            return None
+        return lay({*layout.tiled, s}, layout.tile, (*layout.added, f"s{s}"))
+
+    chosen, _ = first_fitting_layout([lay({0}, 4), lay({0}, 2)], stages, PlannerOptions(),
+                                     None, 50, lambda regions: Plan(regions=regions), check,
+                                     extend=extend)
+    # the coarse layout misses with its peak in s1: its repair, not the fine tile, is next
+    assert verified == [((0,), 4), ((0, 1), 4)]
+    assert chosen is not None and chosen.verified_peak_bytes == 30
+
+
 class _Stemmed(torch.nn.Module):
     """A single-conv stem unit (conv, norm, activation in their own modules, as nnU-Net's
     ``StackedConvBlocks`` of one ``ConvDropoutNormReLU`` writes it) before a block."""
