@@ -15,23 +15,18 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from remat3d.errors import WeightsError, quoted
-from remat3d.zoo.nnunet import checkpoint_safe_globals
+from remat3d.errors import WeightsError
+from remat3d.zoo.fitting import read_state_dict
 
 __all__ = ["LoadReport", "apply_freeze", "load_pretrained", "read_state_dict"]
 
 logger = logging.getLogger(__name__)
 
-_CONTAINER_KEYS = ("state_dict", "model_state_dict", "model", "network_weights", "net",
-                   "module", "weights")
 _PREFIXES = ("module.", "model.", "_orig_mod.", "net.", "network.")
 _INFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -63,62 +58,6 @@ class LoadReport:
                          f"{', '.join(self.unexpected[:6])}"
                          f"{' …' if len(self.unexpected) > 6 else ''}")
         return "\n".join(lines)
-
-
-def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.pt``/``.pth``/``.ckpt``/``.safetensors`` file, unwrapped."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise WeightsError(f"Pretrained weights {str(path)!r} do not exist.")
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return dict(load_file(str(path), device="cpu"))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise WeightsError(f"Cannot read safetensors file {str(path)!r}: {exc}. The file "
-                               "may be truncated; download or save it again.") from None
-    try:
-        # numpy scalars in nnU-Net's training log are allowed too: its checkpoints are
-        # the pretrained 3D weights people have (zoo/nnunet.py)
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            content = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
-        message = quoted(exc)
-        hint = ("It holds pickled Python objects beyond tensors; re-save just the weights "
-                "with torch.save(model.state_dict(), path)."
-                if "weights_only" in str(exc) else
-                "The file may be truncated or not a PyTorch checkpoint.")
-        raise WeightsError(f"Cannot read {str(path)!r}: {type(exc).__name__}: {message} "
-                           f"{hint}") from None
-    return _unwrap(content, path)
-
-
-def _unwrap(content: Any, path: Path) -> dict[str, torch.Tensor]:
-    for _ in range(4):
-        if isinstance(content, nn.Module):
-            content = content.state_dict()
-        if isinstance(content, Mapping) and content and all(
-                isinstance(v, torch.Tensor) for v in content.values()):
-            return dict(content)
-        if isinstance(content, Mapping):
-            inner = next((content[k] for k in _CONTAINER_KEYS
-                          if isinstance(content.get(k), (Mapping, nn.Module))), None)
-            if inner is None:
-                tensors = {k: v for k, v in content.items() if isinstance(v, torch.Tensor)}
-                if tensors:
-                    return tensors
-                break
-            content = inner
-        else:
-            break
-    raise WeightsError(
-        f"{str(path)!r} holds no state dict (found a {type(content).__name__}"
-        + (f" with keys {', '.join(map(str, list(content)[:8]))}"
-           if isinstance(content, Mapping) else "")
-        + "). Save the weights with torch.save(model.state_dict(), path)."
-    )
 
 
 def _fit_names(tensors: dict[str, torch.Tensor], wanted: set[str]) -> tuple[

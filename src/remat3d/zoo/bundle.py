@@ -20,21 +20,18 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from remat3d.errors import ModelSpecError, quoted
-from remat3d.zoo.fitting import load_fitting
+from remat3d.errors import ModelSpecError, WeightsError, quoted
+from remat3d.zoo.fitting import load_fitting, read_state_dict
 
 __all__ = ["build_from_bundle", "bundle_root", "is_bundle"]
 
 _CONFIGS = ("train", "inference")
 _SUFFIXES = (".json", ".yaml", ".yml")
-_CONTAINERS = ("state_dict", "model", "network", "model_state_dict")
 
 
 def is_bundle(spec: str) -> bool:
@@ -119,18 +116,7 @@ def build_from_bundle(spec: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
 
 def _load(model: nn.Module, path: Path, where: str) -> None:
     try:
-        content = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
-        raise ModelSpecError(f"{where}: cannot read {str(path)!r}: {type(exc).__name__}: "
-                             f"{quoted(exc)}") from None
-    for _ in range(3):
-        if isinstance(content, Mapping) and not all(isinstance(v, torch.Tensor)
-                                                    for v in content.values()):
-            inner = next((content[k] for k in _CONTAINERS if isinstance(content.get(k),
-                                                                      Mapping)), None)
-            if inner is None:
-                break
-            content = inner
-    if not isinstance(content, Mapping):
-        raise ModelSpecError(f"{where}: {str(path)!r} holds no state dict.")
-    load_fitting(model, content, where)
+        tensors = read_state_dict(path)
+    except WeightsError as exc:
+        raise ModelSpecError(f"{where}: {exc}") from None
+    load_fitting(model, tensors, where)

@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from remat3d.errors import ModelSpecError, quoted
-from remat3d.zoo.fitting import load_fitting
+from remat3d.zoo.fitting import checkpoint_safe_globals, load_fitting
 
 __all__ = ["NNUNET_PREFIX", "build_from_checkpoint", "build_from_plans",
-           "checkpoint_safe_globals", "is_nnunet_checkpoint", "parse_plans_spec",
+           "is_nnunet_checkpoint", "parse_plans_spec",
            "read_nnunet_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -183,21 +183,6 @@ def build_from_plans(plans_path: str | os.PathLike[str], configuration: str,
 
 
 # -- checkpoints ----------------------------------------------------------------------
-
-def checkpoint_safe_globals() -> list[Any]:
-    """The non-tensor types nnU-Net's checkpoints hold besides plain Python: numpy
-    scalars and dtypes in its training log (``logging``, ``_best_ema``)."""
-    import numpy as np
-
-    types: list[Any] = [np.dtype, np.ndarray]
-    try:
-        from numpy._core.multiarray import _reconstruct, scalar
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct, scalar  # type: ignore[no-redef]
-    types += [scalar, _reconstruct]
-    types += [type(np.dtype(t)) for t in ("float64", "float32", "int64", "int32", "bool")]
-    return types
-
 
 def read_nnunet_checkpoint(path: str | os.PathLike[str]) -> Any:
     """An nnU-Net v2 checkpoint's content, read with ``weights_only=True`` and the types
