@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,9 +15,11 @@ import torch
 import remat3d
 from remat3d.errors import InfeasibleBudgetError
 from remat3d.instrument.step import meta_copy
-from remat3d.planner.stages import build_stages
-from remat3d.planner.tiling import layouts, stage_levels, stage_readers
-from remat3d.planspec import Region
+from remat3d.planner.registry import PlannerOptions
+from remat3d.planner.stages import Stage, StageModel, build_stages
+from remat3d.planner.tiled_plans import first_fitting_layout
+from remat3d.planner.tiling import Layout, layouts, stage_levels, stage_readers
+from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
 from tests.tiling.test_fused import TinyUNet, _step, assert_same_step
 
@@ -264,20 +268,50 @@ def test_a_layout_is_extended_by_the_stage_that_held_its_peak(graph_and_stages) 
     assert extend_layout(graph, stages, ok, base, "") is None              # outside stages
 
 
+class _TableVerifier:
+    """A stand-in for the search's verifier and rule 7's ``extend`` over stages s0, s1,
+    ...: a layout's verified peak and the module running at it come from ``peaks``, keyed
+    by ``key(tiled regions)``; ``verified`` lists the keys in the order measured, and
+    ``relayout(layout, stages, added)`` makes a repair."""
+
+    def __init__(self, count: int, peaks: dict, key: Callable[[list[Region]], object],
+                 relayout: Callable[[Layout, set[int], tuple[str, ...]], Layout]) -> None:
+        self.stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
+                                         for i in range(count)],
+                                 base=0, glue_saved=[0] * count, pending=[0] * count,
+                                 grads_after=[0] * count)
+        self.peaks, self.key, self.relayout = peaks, key, relayout
+        self.verified: list[object] = []
+
+    def check(self, plan: Plan) -> Plan:
+        key = self.key([r for r in plan.regions if r.decision == "tile"])
+        self.verified.append(key)
+        plan.verified_peak_bytes, plan.verified_peak_module = self.peaks[key]
+        return plan
+
+    def extend(self, layout: Layout, module: str | None) -> Layout | None:
+        s = int(module[1]) if module else None
+        if s is None or s in layout.tiled:
+            return None
+        return self.relayout(layout, {*layout.tiled, s}, (*layout.added, f"s{s}"))
+
+    def first_fitting(self, order: list[Layout], budget: int,
+                      repair: bool = True) -> Plan | None:
+        self.verified.clear()
+        chosen, _ = first_fitting_layout(order, self.stages, PlannerOptions(), None, budget,
+                                         lambda regions: Plan(regions=regions), self.check,
+                                         extend=self.extend if repair else None)
+        return chosen
+
+
+def _tiled_stages(tiled: list[Region]) -> tuple[int, ...]:
+    return tuple(int(r.module[1]) for r in tiled)
+
+
 def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     """Rule 7: a layout whose verified peak lay in a stage it does not tile gets that
     stage tiled too, verified before any layout of the next group (more levels); the
     repair goes on while the peak falls, and stops where it does not."""
-    from remat3d.planner.registry import PlannerOptions
-    from remat3d.planner.stages import Stage, StageModel
-    from remat3d.planner.tiled_plans import first_fitting_layout
-    from remat3d.planner.tiling import Layout
-    from remat3d.planspec import Plan
-
-    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
-                                for i in range(3)],
-                        base=0, glue_saved=[0, 0, 0], pending=[0, 0, 0],
-                        grads_after=[0, 0, 0])
     tile = ((4, 4, 4), "device")
 
     def lay(depth: int, tiled: set[int], added: tuple[str, ...] = ()) -> Layout:
@@ -287,26 +321,9 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     order = [lay(1, {0}), lay(2, {0, 1, 2})]
     # tiled set -> (verified peak, the module running at it)
     peaks = {(0,): (80, "s1.conv"), (0, 1): (45, "s2.conv"), (0, 1, 2): (30, "s0.conv")}
-    verified: list[tuple[int, ...]] = []
-
-    def check(plan: Plan) -> Plan:
-        key = tuple(int(r.module[1]) for r in plan.regions if r.decision == "tile")
-        verified.append(key)
-        plan.verified_peak_bytes, plan.verified_peak_module = peaks[key]
-        return plan
-
-    def extend(layout: Layout, module: str | None) -> Layout | None:
-        s = int(module[1]) if module else None
-        if s is None or s in layout.tiled:
-            return None
-        return lay(layout.depth, {*layout.tiled, s}, (*layout.added, f"s{s}"))
-
-    def choose(budget: int) -> Plan | None:
-        verified.clear()
-        chosen, _ = first_fitting_layout(order, stages, PlannerOptions(), None, budget,
-                                         lambda regions: Plan(regions=regions), check,
-                                         extend=extend)
-        return chosen
+    table = _TableVerifier(3, peaks, _tiled_stages,
+                           lambda like, tiled, added: lay(like.depth, tiled, added))
+    verified, choose = table.verified, functools.partial(table.first_fitting, order)
 
     chosen = choose(50)  # {0} misses at 80 with its peak in s1: {0, 1} fits, before L2
     assert chosen is not None and verified == [(0,), (0, 1)]
@@ -321,9 +338,7 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     assert choose(20) is None  # nothing fits: every layout and repair tried once
     assert sorted(verified) == [(0,), (0, 1), (0, 1, 2)]
     # without ``extend`` (the default), no repair
-    verified.clear()
-    first_fitting_layout(order, stages, PlannerOptions(), None, 50,
-                         lambda regions: Plan(regions=regions), check)
+    choose(50, repair=False)
     assert verified == [(0,), (0, 1, 2)]
 
 
@@ -341,47 +356,23 @@ def test_the_fine_tile_is_a_second_sweep_after_every_coarse_layout() -> None:
     assert [(lay.depth, lay.fuse) for lay in every[first:]] == \
         [(lay.depth, lay.fuse) for lay in every[:first] if lay.tile == 64]
     small = profile(TinyUNet(), SHAPE, device="meta")  # an eighth of 32 is under 16
-    assert not any(lay.fine for lay in layouts(small.graph, build_stages(small.graph),
-                                               [True] * len(stages.stages)))
+    small_stages = build_stages(small.graph)
+    assert not any(lay.fine for lay in layouts(small.graph, small_stages,
+                                               [True] * len(small_stages.stages)))
 
 
 def test_the_coarse_sweeps_repairs_come_before_the_fine_sweep() -> None:
-    from remat3d.planner.registry import PlannerOptions
-    from remat3d.planner.stages import Stage, StageModel
-    from remat3d.planner.tiled_plans import first_fitting_layout
-    from remat3d.planner.tiling import Layout
-    from remat3d.planspec import Plan
-
-    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
-                                for i in range(2)],
-                        base=0, glue_saved=[0, 0], pending=[0, 0], grads_after=[0, 0])
-
     def lay(tiled: set[int], edge: int, added: tuple[str, ...] = ()) -> Layout:
         return Layout(depth=1, fuse="none", tile=edge, added=added, fine=edge == 2,
                       tiled=dict.fromkeys(sorted(tiled), ((edge,) * 3, "device")))
 
     peaks = {((0,), 4): (80, "s1.conv"), ((0, 1), 4): (30, None),
              ((0,), 2): (40, None)}
-    verified: list[tuple[tuple[int, ...], int]] = []
-
-    def check(plan: Plan) -> Plan:
-        tiled = [r for r in plan.regions if r.decision == "tile"]
-        key = (tuple(int(r.module[1]) for r in tiled), tiled[0].tile[0])
-        verified.append(key)
-        plan.verified_peak_bytes, plan.verified_peak_module = peaks[key]
-        return plan
-
-    def extend(layout: Layout, module: str | None) -> Layout | None:
-        s = int(module[1]) if module else None
-        if s is None or s in layout.tiled:
-            return None
-        return lay({*layout.tiled, s}, layout.tile, (*layout.added, f"s{s}"))
-
-    chosen, _ = first_fitting_layout([lay({0}, 4), lay({0}, 2)], stages, PlannerOptions(),
-                                     None, 50, lambda regions: Plan(regions=regions), check,
-                                     extend=extend)
+    table = _TableVerifier(2, peaks, lambda tiled: (_tiled_stages(tiled), tiled[0].tile[0]),
+                           lambda like, tiled, added: lay(tiled, like.tile, added))
+    chosen = table.first_fitting([lay({0}, 4), lay({0}, 2)], 50)
     # the coarse layout misses with its peak in s1: its repair, not the fine tile, is next
-    assert verified == [((0,), 4), ((0, 1), 4)]
+    assert table.verified == [((0,), 4), ((0, 1), 4)]
     assert chosen is not None and chosen.verified_peak_bytes == 30
 
 
