@@ -58,6 +58,7 @@ from remat3d.errors import (
 )
 from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import example_input, input_dtype, meta_copy
+from remat3d.instrument.tracker import shared_repeats
 from remat3d.measurement import measure
 from remat3d.planner.graph_search import search_graph
 from remat3d.planner.liveness import recompute_floor
@@ -359,13 +360,16 @@ class _Attempt:
                 self.measured[key] = verifier(candidate)
             return self.measured[key]
 
-        return search(Problem(
-            stages=stages, graph=graph, budget=budget, strategy=strategy,
-            options=PlannerOptions(offload=offload), header=self.header,
-            step_flops=graph.forward_flops + graph.backward_flops,
-            unplanned_peak=self.prof.peak_bytes, verify=remembered if verify else None,
-            tileable=tileable if tiled else None,
-            untiled_floor=untiled_floor if tiled else 0))
+        # the candidates' tiled runs are mostly the same: their tiles are booked, not
+        # run, from one candidate to the next (NOTE [ Repeats on meta ] rule 5)
+        with shared_repeats():
+            return search(Problem(
+                stages=stages, graph=graph, budget=budget, strategy=strategy,
+                options=PlannerOptions(offload=offload), header=self.header,
+                step_flops=graph.forward_flops + graph.backward_flops,
+                unplanned_peak=self.prof.peak_bytes, verify=remembered if verify else None,
+                tileable=tileable if tiled else None,
+                untiled_floor=untiled_floor if tiled else 0))
 
 
 def _cached(key: tuple, chosen: Plan) -> Plan:

@@ -16,6 +16,7 @@ import torch
 import remat3d
 import remat3d.measurement
 from remat3d.instrument.step import meta_copy, prepare_step, run_step
+from remat3d.instrument.tracker import MemoryTracker, Repeat, shared_repeat, shared_repeats
 from remat3d.planspec import Plan, Region
 from tests.tiling.test_norms import NORM_NAMES, _dynunet
 
@@ -97,3 +98,84 @@ def _counting(calls):
         return original(self, k, *args, **kwargs)
 
     return run_tile
+
+
+def _shared_measured(net, plans, shape, calls):
+    """Each plan measured in turn inside one ``shared_repeats()`` scope (rule 5), with
+    the tiles each one ran counted."""
+    out = []
+    with shared_repeats():
+        for plan in plans:
+            calls.clear()
+            measured = _measured(net, plan, shape, replays=True)
+            measured["tiles"] = len(calls)
+            out.append(measured)
+    assert shared_repeat(("anything",)) is None  # nothing kept once the scope is left
+    return out
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_repeats_booked_across_measurements_measure_what_running_them_does(monkeypatch, host):
+    # NOTE [ Repeats on meta ] rule 5: what remat3d.plan verifies candidates under. A
+    # plan measured after another that shares its tiled runs, and again after itself,
+    # books their tiles; its peak (with the module at it), host peak and FLOPs are the
+    # ones of measuring it alone, and it runs fewer tiles
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    shape = (1, 1, 16, 16, 16)
+    tile = [16, 4, 4]
+    # the full-resolution stages' runs are the same in both plans; the second one tiles
+    # the half-resolution stage too
+    first = Plan(regions=[Region("input_block", decision="tile", tile=tile, host=host),
+                          Region("upsamples.1", decision="tile", tile=tile, host=host)])
+    second = Plan(regions=[*first.regions,
+                           Region("downsamples.0", decision="tile", tile=[16, 2, 2])])
+    calls = []
+    monkeypatch.setattr(remat3d.runtime.tiling.tiled.TiledRun, "run_tile", _counting(calls))
+    alone = _measured(net, second, shape, replays=True)
+    ran_alone = len(calls)
+    after_first, again = _shared_measured(net, [first, second, second], shape, calls)[1:]
+    for booked in (after_first, again):
+        for key in ("peak", "at", "host", "flops"):
+            assert booked[key] == alone[key], key
+        assert sum(booked["breakdown"].values()) == booked["peak"]
+    assert after_first["tiles"] < ran_alone
+    assert again["tiles"] < after_first["tiles"]
+    if host:
+        assert alone["host"] > 0
+
+
+def test_a_booked_repeat_raises_the_peak_where_it_passes_it():
+    # recorded in one step, booked in another at a higher live level: the high-water mark
+    # lands on top of what is live there, named after the module it was recorded in
+    block = torch.nn.Sequential(torch.nn.Conv3d(1, 2, 3, padding=1))
+
+    def piece():
+        y = block(torch.empty(1, 1, 8, 8, 8, device="meta"))  # 2 KiB in, 4 KiB out
+        del y
+
+    block.to("meta")
+    with MemoryTracker("meta", model=block, replays=True) as recorder:
+        start = recorder.begin_repeat()
+        piece()
+        repeat = recorder.end_repeat(start)
+    assert repeat is not None and repeat.high == 2048 + 4096
+    assert repeat.at and repeat.at[0] == "0"
+    with MemoryTracker("meta", replays=True) as tracker:
+        held = torch.empty(1 << 16, device="meta")  # 256 KiB live
+        tracker.book(repeat)
+        assert tracker.peak_bytes == held.nbytes + repeat.high
+        assert tracker.peak_modules() == repeat.at
+        assert tracker.peak_breakdown()["transient"] == tracker.peak_bytes
+        assert tracker.flops["forward"] == sum(f for _, f in repeat.flops) > 0
+        assert tracker.live() == held.nbytes  # it leaves nothing behind
+        bigger = torch.empty(1 << 18, device="meta")  # a later peak of its own
+        assert tracker.peak_modules() == ()
+        del bigger
+
+
+def test_the_shared_scope_is_gone_after_an_exception():
+    with pytest.raises(RuntimeError), shared_repeats():
+        shared_repeat(("key",), Repeat(0, 0, [], []))
+        assert shared_repeat(("key",)) is not None
+        raise RuntimeError("interrupted")
+    assert shared_repeat(("key",)) is None

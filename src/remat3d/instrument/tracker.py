@@ -38,8 +38,20 @@ NOTE [ Repeats on meta ]
      verified with) replay; ``profile()`` does not (a replayed tile makes no invocation
      records or edges). The caller still runs every tile whose side effects matter (the
      last tile of a pass: buffers, counters).
+  5. Across measurements (:func:`shared_repeats`, what ``remat3d.plan`` verifies its
+     candidates under: dozens of steps whose tiled runs are mostly the same): a repeat is
+     kept under a key its caller gives (everything the piece's ops depend on, the run and
+     the pass included) and *booked* wherever that key comes again, in this step or a
+     later one, at whatever the live bytes are (:meth:`MemoryTracker.book`): its
+     high-water mark above its start is added to the live bytes now, on the device and
+     the host, and raises the peak where it passes it, with the module the recorded run
+     was in at its high-water named as the peak's. So the peak, host peak and FLOPs are
+     the ones running it would give; the peak's breakdown counts that high-water as
+     transient, and its ops' timeline events and FLOPs are attributed to the invocation
+     running when it is booked.
   Equal peaks, FLOPs and timelines with and without replay are tested on tiled plans
-  (``tests/tiling/test_repeats.py``).
+  (``tests/tiling/test_repeats.py``), and equal peaks, peak modules, host peaks and FLOPs
+  with and without booking across measurements.
 
 What it cannot see: scratch memory a kernel allocates and frees inside one op (cuDNN/oneDNN
 workspaces, im2col buffers). That is a property of the kernel library, not of the model or
@@ -56,8 +68,10 @@ the plan; ``reference.py`` measures it separately on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,7 +87,7 @@ from remat3d.instrument.state import current_placement, is_recomputing
 from remat3d.instrument.tensors import tensors_in
 
 __all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "Repeat", "TimelineEvent",
-           "replaying_tracker"]
+           "replaying_tracker", "shared_repeat", "shared_repeats"]
 
 HOST = "cpu"  # where host-resident tensors of a meta step are booked
 
@@ -122,6 +136,53 @@ class Repeat:
     host: int
     flops: list[tuple[tuple[int | None, str], int]]  # ((node, phase), flops) per op
     events: list[TimelineEvent]  # live bytes relative to ``live``
+    high: int = 0       # its high-water mark above ``live`` on the device (rule 5)
+    host_high: int = 0  # and above ``host`` on the host
+    at: tuple[str, ...] = ()  # the module invocations running at ``high``, innermost first
+
+
+@dataclass
+class _Recording:
+    """A repeatable piece being recorded: where it started, what it did so far."""
+
+    live: int
+    host: int
+    first: int  # its first timeline event
+    flops: list[tuple[tuple[int | None, str], int]] = field(default_factory=list)
+    host_top: int = 0  # the most host bytes live while it ran
+
+
+# NOTE [ Repeats on meta ] rule 5: repeats by their callers' keys, while shared_repeats()
+_SHARED: dict[Hashable, Repeat] | None = None
+_SHARED_LIMIT = 1 << 14  # repeats kept at most (emptied when reached, like the meta cache)
+
+
+@contextlib.contextmanager
+def shared_repeats() -> Iterator[None]:
+    """Keep repeats across the measurements made inside (NOTE [ Repeats on meta ] rule 5);
+    nested uses share the outermost's. Nothing is kept once it exits."""
+    global _SHARED
+    if _SHARED is not None:
+        yield
+        return
+    _SHARED = {}
+    try:
+        yield
+    finally:
+        _SHARED = None
+
+
+def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
+    """The repeat kept under ``key`` (rule 5), after keeping ``repeat`` there if given and
+    none is; None outside :func:`shared_repeats`."""
+    if _SHARED is None:
+        return None
+    kept = _SHARED.get(key)
+    if kept is None and repeat is not None:
+        if len(_SHARED) >= _SHARED_LIMIT:
+            _SHARED.clear()
+        kept = _SHARED[key] = repeat
+    return kept
 
 
 def replaying_tracker() -> MemoryTracker | None:
@@ -165,7 +226,7 @@ class MemoryTracker(TorchDispatchMode):
         # is peaks, FLOPs and the timeline (measure(), not profile(): a skipped repeat
         # makes no invocation records or edges)
         self.replays = replays and normalize_device(device) == "meta"
-        self._journals: list[list[tuple[tuple[int | None, str], int]]] = []
+        self._recordings: list[_Recording] = []
         self.device = normalize_device(device)
         self.ledger = StorageLedger()
         self.timeline: list[TimelineEvent] = []
@@ -173,6 +234,10 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.host_peak_bytes = 0  # host memory a meta/cuda step held at most
         self.peak_event: int | None = None  # None: the peak is the starting state
+        # a peak raised by a booked repeat (rule 5): its high-water (transient, not in the
+        # ledger's records) and the modules its recorded run was in
+        self._peak_extra = 0
+        self._peak_at: tuple[str, ...] | None = None
         self.flops: dict[str, int] = {"forward": 0, "backward": 0, "recompute": 0}
         self.node_flops: dict[tuple[int | None, str], int] = {}
         self.node_seconds: dict[tuple[int | None, str], float] = {}
@@ -239,40 +304,50 @@ class MemoryTracker(TorchDispatchMode):
         split = dict.fromkeys(PEAK_CATEGORIES, 0)
         for record in self._peak_records:
             split[_CATEGORY_OF[record.category]] += record.nbytes
+        split["transient"] += self._peak_extra
         return split
 
     def peak_modules(self) -> tuple[str, ...]:
         """The module invocations running at the peak, innermost first (qualified names;
         empty: the peak is outside every module, or no model is recorded)."""
+        if self._peak_at is not None:
+            return self._peak_at
         if self.peak_event is None or self.invocations is None:
             return ()
-        node = self.timeline[self.peak_event].node
+        return self._names(self.timeline[self.peak_event].node)
+
+    def _names(self, node: int | None) -> tuple[str, ...]:
+        """The invocation ``node`` and those around it, innermost first."""
         names = []
-        records = self.invocations.invocations
+        records = self.invocations.invocations if self.invocations is not None else []
         while node is not None:
             names.append(records[node].name)
             node = records[node].parent
         return tuple(names)
 
     # -- repeats (NOTE [ Repeats on meta ]) -------------------------------------------
-    def begin_repeat(self) -> tuple[int, int, int, list[tuple[tuple[int | None, str], int]]]:
+    def begin_repeat(self) -> _Recording:
         """Start recording a piece of work that may repeat (hand the result to
         :meth:`end_repeat`)."""
-        journal: list[tuple[tuple[int | None, str], int]] = []
-        self._journals.append(journal)
-        return self.live(), self.ledger.live_bytes.get(HOST, 0), len(self.timeline), journal
+        host = self.ledger.live_bytes.get(HOST, 0)
+        recording = _Recording(self.live(), host, len(self.timeline), host_top=host)
+        self._recordings.append(recording)
+        return recording
 
-    def end_repeat(self, start: tuple[int, int, int, list[tuple[tuple[int | None, str], int]]]
-                   ) -> Repeat | None:
+    def end_repeat(self, start: _Recording) -> Repeat | None:
         """What the piece begun at ``start`` did, or None where it cannot be replayed: it
         left memory allocated or freed (the next run would start elsewhere)."""
-        live, host, first, journal = start
-        self._journals.remove(journal)
+        self._recordings.remove(start)
+        live, host = start.live, start.host
         if self.live() != live or self.ledger.live_bytes.get(HOST, 0) != host:
             return None
         events = [TimelineEvent(e.op, e.node, e.phase, e.live_before - live,
-                                e.live_after - live) for e in self.timeline[first:]]
-        return Repeat(live, host, journal, events)
+                                e.live_after - live) for e in self.timeline[start.first:]]
+        high, at = 0, ()
+        for i, e in enumerate(events):
+            if e.live_after > high:
+                high, at = e.live_after, self._names(self.timeline[start.first + i].node)
+        return Repeat(live, host, start.flops, events, high, start.host_top - host, at)
 
     def replay(self, repeat: Repeat) -> bool:
         """Book ``repeat`` again without running it, where that is exact: live bytes now
@@ -287,11 +362,36 @@ class MemoryTracker(TorchDispatchMode):
                                            e.live_after + live) for e in repeat.events)
         return True
 
+    def book(self, repeat: Repeat) -> None:
+        """Book ``repeat``, recorded in this step or another, without running it, at the
+        live bytes now (rule 5): its high-water mark on top of them raises the peak where
+        it passes it; its FLOPs and timeline are added, attributed to the invocation
+        running now."""
+        live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
+        node = self.invocations.current() if self.invocations is not None else None
+        for (_, phase), flops in repeat.flops:
+            self._add_flops((node, phase), flops)
+        first = len(self.timeline)
+        self.timeline.extend(TimelineEvent(e.op, node, e.phase, e.live_before + live,
+                                           e.live_after + live) for e in repeat.events)
+        if self.device != HOST:
+            self.host_peak_bytes = max(self.host_peak_bytes, host + repeat.host_high)
+        for recording in self._recordings:
+            recording.host_top = max(recording.host_top, host + repeat.host_high)
+        if live + repeat.high > self.peak_bytes:
+            self.peak_bytes = live + repeat.high
+            self.peak_event = first + next(i for i, e in enumerate(repeat.events)
+                                           if e.live_after == repeat.high)
+            self._peak_records = [
+                r for r in self.ledger.records.values() if r.device == self.device
+            ]
+            self._peak_extra, self._peak_at = repeat.high, repeat.at
+
     def _add_flops(self, key: tuple[int | None, str], flops: int) -> None:
         self.flops[key[1]] += flops
         self.node_flops[key] = self.node_flops.get(key, 0) + flops
-        for journal in self._journals:
-            journal.append((key, flops))
+        for recording in self._recordings:
+            recording.flops.append((key, flops))
 
     # -- hooks ------------------------------------------------------------------------
     def _enter(self, inv: Invocation) -> None:
@@ -316,6 +416,10 @@ class MemoryTracker(TorchDispatchMode):
         if self.device != HOST:
             self.host_peak_bytes = max(self.host_peak_bytes,
                                        self.ledger.live_bytes.get(HOST, 0))
+        if self._recordings:
+            host = self.ledger.live_bytes.get(HOST, 0)
+            for recording in self._recordings:
+                recording.host_top = max(recording.host_top, host)
         live = self.live()
         if live > self.peak_bytes:
             self.peak_bytes = live
@@ -323,6 +427,7 @@ class MemoryTracker(TorchDispatchMode):
             self._peak_records = [
                 r for r in self.ledger.records.values() if r.device == self.device
             ]
+            self._peak_extra, self._peak_at = 0, None
 
     def _op_phase(self) -> str:
         if self.phase == "forward":

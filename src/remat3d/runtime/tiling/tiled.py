@@ -58,6 +58,7 @@ NOTE [ Stashed passes ]
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -65,8 +66,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
-from remat3d.instrument.state import recomputing
-from remat3d.instrument.tracker import Repeat, replaying_tracker
+from remat3d.instrument.state import is_recomputing, recomputing
+from remat3d.instrument.tracker import Repeat, replaying_tracker, shared_repeat
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.replay import AmpState
 from remat3d.runtime.tiling.execute import (
@@ -165,6 +166,22 @@ class TiledRun:
              tuple(_shape(r, tr.sizes[node]) for r, node in zip(outs, tr.outputs)))
             for plan, owned, outs in zip(self.plans, self.owned, self.out_owned)]
         self.stash_nodes = self._stash_nodes() if stash else {}
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        """Everything a tile's work depends on besides its shapes and the pass (NOTE
+        [ Repeats on meta ] rule 5): the traced ops, sizes and dtypes, the parameters'
+        shapes, the tile and where inputs, outputs and stashes live."""
+        if self._digest is None:
+            tr = self.trace
+            text = repr((
+                self.tile, self.stash, self.host_outputs, self.host_inputs, self.device.type,
+                tr.ops, tr.inputs, tr.outputs, sorted(tr.sizes.items()), tr.out_shapes,
+                tr.out_dtypes, tr.norms, sorted(tr.leading.items()),
+                sorted(tr.dtypes.items()), tr.returns_tuple,
+                [(tuple(p.shape), p.dtype, p.requires_grad) for p in tr.params]))
+            self._digest = hashlib.sha1(text.encode()).hexdigest()
+        return self._digest
 
     # -- stashes (NOTE [ Stashed passes ]) ---------------------------------------------
     def _stash_nodes(self) -> dict[int, int]:
@@ -299,7 +316,7 @@ class TiledRun:
                     outs = [host_empty(shape, dtype, self.device) if self.host_outputs
                             else torch.empty(shape, dtype=dtype, device=self.device)
                             for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
-                repeats = _Repeats(self)
+                repeats = _Repeats(self, ("forward", j, _layout(inputs)))
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
@@ -359,6 +376,7 @@ class TiledRun:
         n = len(self.stats)
         last = len(self.trace.ops) - 1
         order = list(reversed(range(n)))
+        given = (tuple(needs), _layout(inputs), _layout(dys))  # (repeats' keys)
         schedule = self._schedule(  # NOTE [ Stashed passes ] rule 2
             [(last, set(), [i for i in self.stash_nodes if i < n - 1])]
             + [(last, {self.stash_nodes[i] for i in self.stash_nodes if i <= j}, [])
@@ -367,7 +385,7 @@ class TiledRun:
             stats = self.stats[j]
             sum_g: torch.Tensor | None = None
             sum_gx: torch.Tensor | None = None
-            repeats = _Repeats(self)
+            repeats = _Repeats(self, ("sums", j, *given))
             for k in range(len(self.tiles)):
                 if repeats.replayed(k):
                     continue
@@ -388,7 +406,7 @@ class TiledRun:
             else torch.zeros_like(x)
             for x, need, host in zip(inputs, needs, self.host_inputs)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
-        repeats = _Repeats(self)
+        repeats = _Repeats(self, ("final", *given))
         for k in range(len(self.tiles)):
             if repeats.replayed(k):
                 continue
@@ -447,6 +465,12 @@ class TiledRun:
                 dparams[i] = g.double() if previous is None else previous.add_(g)
 
 
+def _layout(tensors: Sequence[torch.Tensor | None]) -> tuple:
+    """Shapes, strides and dtypes (what views of them do depends on)."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype)
+                 for t in tensors)
+
+
 def _shape(region: Region, size: Sequence[int]) -> tuple[tuple[int, bool, bool], ...]:
     """A region as a tile's ops see it: its extent, and whether it touches each border."""
     return tuple((hi - lo, lo == 0, hi == n) for (lo, hi), n in zip(region, size))
@@ -455,19 +479,31 @@ def _shape(region: Region, size: Sequence[int]) -> tuple[tuple[int, bool, bool],
 class _Repeats:
     """One pass's tiles on a replaying tracker (NOTE [ Repeats on meta ] in
     ``instrument/tracker.py``): a tile whose shapes a tile of the pass already had is
-    booked from that one's record, not run; elsewhere, and for the pass's last tile
-    (it keeps the buffers it updates), every tile runs."""
+    booked from that one's record, not run; within ``shared_repeats()`` (rule 5), so is
+    one whose run, pass and shapes an earlier pass or step recorded. Elsewhere, and for
+    the pass's last tile (it keeps the buffers it updates), every tile runs. ``tag``
+    names the pass (which one, and what its tiles depend on besides their shapes)."""
 
-    def __init__(self, run: TiledRun) -> None:
+    def __init__(self, run: TiledRun, tag: tuple) -> None:
         self.run = run
         self.tracker = replaying_tracker() if run.device.type == "meta" else None
         self.seen: dict[Any, Repeat] = {}
+        self.tag = None if self.tracker is None else (
+            run.digest(), tag, torch.is_grad_enabled(), is_recomputing(),
+            self.tracker.phase, repr(AmpState.capture(run.device)))
 
     def replayed(self, k: int) -> bool:
         if self.tracker is None or k == len(self.run.tiles) - 1:
             return False
-        repeat = self.seen.get(self.run.shapes[k])
-        return repeat is not None and self.tracker.replay(repeat)
+        shapes = self.run.shapes[k]
+        repeat = self.seen.get(shapes)
+        if repeat is not None and self.tracker.replay(repeat):
+            return True
+        repeat = shared_repeat((self.tag, shapes))
+        if repeat is None:
+            return False
+        self.tracker.book(repeat)
+        return True
 
     @contextlib.contextmanager
     def recording(self, k: int) -> Iterator[None]:
@@ -484,6 +520,7 @@ class _Repeats:
         repeat = tracker.end_repeat(start)
         if repeat is not None:
             self.seen[key] = repeat
+            shared_repeat((self.tag, key), repeat)
 
 
 @contextlib.contextmanager
