@@ -37,7 +37,7 @@ NOTE [ Repeats on meta ]
   4. Only trackers made with ``replays=True`` (``measure()`` on meta: what plans are
      verified with) replay; ``profile()`` does not (a replayed tile makes no invocation
      records or edges). The caller still runs every tile whose side effects matter (the
-     last tile of a pass: buffers, counters).
+     last tile of the pass that writes a tiled run's outputs: the buffers it updates).
   5. Across measurements (:func:`shared_repeats`, what ``remat3d.plan`` verifies its
      candidates under: dozens of steps whose tiled runs are mostly the same): a repeat is
      kept under a key its caller gives (everything the piece's ops depend on, the run and
@@ -47,8 +47,8 @@ NOTE [ Repeats on meta ]
      the host, and raises the peak where it passes it, with the module the recorded run
      was in at its high-water named as the peak's. So the peak, host peak and FLOPs are
      the ones running it would give; the peak's breakdown counts that high-water as
-     transient, and its ops' timeline events and FLOPs are attributed to the invocation
-     running when it is booked.
+     transient, its timeline is one event (its high-water mark), and that event and its
+     FLOPs are attributed to the invocation running when it is booked.
   Equal peaks, FLOPs and timelines with and without replay are tested on tiled plans
   (``tests/tiling/test_repeats.py``), and equal peaks, peak modules, host peaks and FLOPs
   with and without booking across measurements.
@@ -136,9 +136,14 @@ class Repeat:
     host: int
     flops: list[tuple[tuple[int | None, str], int]]  # ((node, phase), flops) per op
     events: list[TimelineEvent]  # live bytes relative to ``live``
-    high: int = 0       # its high-water mark above ``live`` on the device (rule 5)
-    host_high: int = 0  # and above ``host`` on the host
-    at: tuple[str, ...] = ()  # the module invocations running at ``high``, innermost first
+    # rule 5: its high-water mark above ``live`` on the device and above ``host`` on the
+    # host, the op there (name, phase) and the module invocations running, innermost
+    # first; its FLOPs per phase
+    high: int = 0
+    host_high: int = 0
+    high_event: tuple[str, str] = ("", "forward")
+    at: tuple[str, ...] = ()
+    phase_flops: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -343,11 +348,17 @@ class MemoryTracker(TorchDispatchMode):
             return None
         events = [TimelineEvent(e.op, e.node, e.phase, e.live_before - live,
                                 e.live_after - live) for e in self.timeline[start.first:]]
-        high, at = 0, ()
+        high, top = 0, None
         for i, e in enumerate(events):
             if e.live_after > high:
-                high, at = e.live_after, self._names(self.timeline[start.first + i].node)
-        return Repeat(live, host, start.flops, events, high, start.host_top - host, at)
+                high, top = e.live_after, i
+        phases: dict[str, int] = {}
+        for (_, phase), flops in start.flops:
+            phases[phase] = phases.get(phase, 0) + flops
+        return Repeat(live, host, start.flops, events, high, start.host_top - host,
+                      ("", "forward") if top is None else (events[top].op, events[top].phase),
+                      () if top is None else self._names(self.timeline[start.first + top].node),
+                      tuple(phases.items()))
 
     def replay(self, repeat: Repeat) -> bool:
         """Book ``repeat`` again without running it, where that is exact: live bytes now
@@ -365,23 +376,21 @@ class MemoryTracker(TorchDispatchMode):
     def book(self, repeat: Repeat) -> None:
         """Book ``repeat``, recorded in this step or another, without running it, at the
         live bytes now (rule 5): its high-water mark on top of them raises the peak where
-        it passes it; its FLOPs and timeline are added, attributed to the invocation
-        running now."""
+        it passes it; its FLOPs are added and its timeline is one event, that high-water
+        mark, attributed to the invocation running now."""
         live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
         node = self.invocations.current() if self.invocations is not None else None
-        for (_, phase), flops in repeat.flops:
+        for phase, flops in repeat.phase_flops:
             self._add_flops((node, phase), flops)
-        first = len(self.timeline)
-        self.timeline.extend(TimelineEvent(e.op, node, e.phase, e.live_before + live,
-                                           e.live_after + live) for e in repeat.events)
+        op, phase = repeat.high_event
+        self.timeline.append(TimelineEvent(op, node, phase, live, live + repeat.high))
         if self.device != HOST:
             self.host_peak_bytes = max(self.host_peak_bytes, host + repeat.host_high)
         for recording in self._recordings:
             recording.host_top = max(recording.host_top, host + repeat.host_high)
         if live + repeat.high > self.peak_bytes:
             self.peak_bytes = live + repeat.high
-            self.peak_event = first + next(i for i, e in enumerate(repeat.events)
-                                           if e.live_after == repeat.high)
+            self.peak_event = len(self.timeline) - 1
             self._peak_records = [
                 r for r in self.ledger.records.values() if r.device == self.device
             ]

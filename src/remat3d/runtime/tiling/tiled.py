@@ -316,7 +316,7 @@ class TiledRun:
                     outs = [host_empty(shape, dtype, self.device) if self.host_outputs
                             else torch.empty(shape, dtype=dtype, device=self.device)
                             for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
-                repeats = _Repeats(self, ("forward", j, _layout(inputs)))
+                repeats = _Repeats(self, ("forward", j, _layout(inputs)), last_runs=j == n)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
@@ -480,12 +480,14 @@ class _Repeats:
     """One pass's tiles on a replaying tracker (NOTE [ Repeats on meta ] in
     ``instrument/tracker.py``): a tile whose shapes a tile of the pass already had is
     booked from that one's record, not run; within ``shared_repeats()`` (rule 5), so is
-    one whose run, pass and shapes an earlier pass or step recorded. Elsewhere, and for
-    the pass's last tile (it keeps the buffers it updates), every tile runs. ``tag``
-    names the pass (which one, and what its tiles depend on besides their shapes)."""
+    one whose run, pass and shapes an earlier pass or step recorded. Elsewhere every tile
+    runs, and so does the last tile of the pass that writes the outputs (``last_runs``:
+    it keeps the buffers it updates; every other pass restores them). ``tag`` names the
+    pass (which one, and what its tiles depend on besides their shapes)."""
 
-    def __init__(self, run: TiledRun, tag: tuple) -> None:
+    def __init__(self, run: TiledRun, tag: tuple, last_runs: bool = False) -> None:
         self.run = run
+        self.last_runs = last_runs
         self.tracker = replaying_tracker() if run.device.type == "meta" else None
         self.seen: dict[Any, Repeat] = {}
         self.tag = None if self.tracker is None else (
@@ -493,7 +495,7 @@ class _Repeats:
             self.tracker.phase, repr(AmpState.capture(run.device)))
 
     def replayed(self, k: int) -> bool:
-        if self.tracker is None or k == len(self.run.tiles) - 1:
+        if self.tracker is None or (self.last_runs and k == len(self.run.tiles) - 1):
             return False
         shapes = self.run.shapes[k]
         repeat = self.seen.get(shapes)
