@@ -71,7 +71,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,7 +186,8 @@ def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
     if kept is None and repeat is not None:
         if len(_SHARED) >= _SHARED_LIMIT:
             _SHARED.clear()
-        kept = _SHARED[key] = repeat
+        # what booking reads: not its ops' FLOPs and events one by one
+        kept = _SHARED[key] = replace(repeat, flops=[], events=[])
     return kept
 
 
