@@ -114,13 +114,15 @@ def _shared_measured(net, plans, shape, calls):
     return out
 
 
-@pytest.mark.parametrize("host", [False, True])
-def test_repeats_booked_across_measurements_measure_what_running_them_does(monkeypatch, host):
+@pytest.mark.parametrize(("norm", "host"), [("instance", False), ("instance", True),
+                                            ("batch", False)])
+def test_repeats_booked_across_measurements_measure_what_running_them_does(monkeypatch, norm,
+                                                                            host):
     # NOTE [ Repeats on meta ] rule 5: what remat3d.plan verifies candidates under. A
     # plan measured after another that shares its tiled runs, and again after itself,
     # books their tiles; its peak (with the module at it), host peak and FLOPs are the
     # ones of measuring it alone, and it runs fewer tiles
-    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    net = _dynunet(NORM_NAMES[norm], torch.float32)
     shape = (1, 1, 16, 16, 16)
     tile = [16, 4, 4]
     # the full-resolution stages' runs are the same in both plans; the second one tiles
