@@ -181,3 +181,23 @@ def test_the_shared_scope_is_gone_after_an_exception():
         assert shared_repeat(("key",)) is not None
         raise RuntimeError("interrupted")
     assert shared_repeat(("key",)) is None
+
+
+def test_the_planner_chooses_the_same_plan_with_its_candidates_sharing_tiles(monkeypatch):
+    # rule 5 inside remat3d.plan: every candidate it verifies measures the same booked or
+    # run, so the search takes the same steps to the same plan
+    import contextlib
+
+    import remat3d.planning
+
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    shape = (1, 1, 32, 32, 32)
+    plans = {}
+    for shared in (True, False):
+        remat3d.planning.clear_plan_cache()
+        if not shared:
+            monkeypatch.setattr(remat3d.planning, "shared_repeats", contextlib.nullcontext)
+        plans[shared] = remat3d.plan(net, shape, budget="0.3x", graph=False)
+    remat3d.planning.clear_plan_cache()
+    assert plans[True].tiled, plans[True].summary()
+    assert plans[True].to_dict() == plans[False].to_dict()
