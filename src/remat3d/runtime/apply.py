@@ -406,7 +406,10 @@ class _PlannedForward:
         if region.fuse or region.host:
             return defer(fn, inputs, edge, region.label, host=region.host, device=device,
                          stash=region.stash)
-        return tile(fn, *inputs, tile=edge, device=device, stash=region.stash)
+        # a region's outputs are its module's internals: its tiled readers share their
+        # gradients (NOTE [ Shared input gradients ] rule 4)
+        return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
+                    share_grads=True)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

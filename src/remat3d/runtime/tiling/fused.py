@@ -82,7 +82,7 @@ class Deferred(torch.Tensor):
 
                 fn, inputs, size, _ = self._recipe
                 self._value = tile(fn, *inputs, tile=size, device=self.device,
-                                   stash=self._stash)
+                                   stash=self._stash, share_grads=True)
         return self._value
 
     def host_value(self) -> torch.Tensor:
@@ -93,7 +93,7 @@ class Deferred(torch.Tensor):
 
             fn, inputs, size, _ = self._recipe
             self._host_value = tile(fn, *inputs, tile=size, host=True, device=self.device,
-                                    stash=self._stash)
+                                    stash=self._stash, share_grads=True)
         return self._host_value
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]

@@ -53,6 +53,30 @@ NOTE [ Stashed passes ]
   Cost: a stage of two convolutions and two normalisations runs 2 convolutions forward
   instead of 5, and 10 convolution-equivalents backward instead of 11; the price is the
   stashes' memory while its passes run.
+
+NOTE [ Shared input gradients ]
+  A tiled output read by several tiled runs (a U-Net's full-resolution skip, read by the
+  encoder's next run and by the decoder's top run) gets one gradient per reader from
+  autograd: each reader's backward makes a whole input gradient, and autograd adds them
+  before the producer's backward. At 512³ that is a second 8 GiB tensor beside the first
+  while the later reader's tiles run. With ``share_grads=True`` (what plans do):
+  1. The run's outputs carry a :class:`GradSlot` (an attribute of the tensor object).
+     A tiled run reading such a tensor adds its tiles' input gradients into the slot's
+     tensor (made by the first reader to need it) and hands autograd no gradient for it;
+     so the readers share one whole gradient.
+  2. The producer's backward takes the slot's tensor as its output's gradient, plus
+     what autograd brings from readers that are not tiled runs (or read a copy: a view,
+     a hook's wrapper carries no slot). Autograd runs the producer only after every
+     reader of its outputs (their edges, not their gradients, order it), so the slot is
+     complete when taken; a reader whose backward never runs added nothing.
+  3. A slot is filled within one backward (one autograd graph task): one left by a
+     backward that failed midway is dropped, not added to. Taken, it is empty again
+     (a second backward with ``retain_graph`` starts from nothing).
+  4. What this changes: the rounding order of the readers' sums (within the tiled
+     tolerance), and what autograd itself sees of the output's gradient: a tensor hook or
+     ``retain_grad`` on the output, or ``torch.autograd.grad`` with respect to it, sees
+     only the non-tiled readers' part. Plans' tiled outputs are a module's internals,
+     hence plans share; ``remat3d.tile`` does not unless asked.
 """
 
 from __future__ import annotations
@@ -93,10 +117,41 @@ from remat3d.runtime.tiling.host import (
 )
 from remat3d.runtime.tiling.trace import TilingError, Trace, trace
 
-__all__ = ["TileSize", "TiledRun", "tile"]
+__all__ = ["GradSlot", "TileSize", "TiledRun", "tile"]
 
 TileSize = int | Sequence[int]
 STASHES = ("device", "host")  # where NOTE [ Stashed passes ] may keep normalisation inputs
+
+
+GRAD_SLOT = "_remat3d_grad_slot"  # the attribute a shared-gradient output carries
+
+
+class GradSlot:
+    """The gradient of one tiled output, gathered by its tiled readers (NOTE [ Shared
+    input gradients ])."""
+
+    __slots__ = ("grad", "task")
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+        self.task: int | None = None
+
+    def target(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor this backward's readers add into, made by the first (rule 3)."""
+        task = torch._C._current_graph_task_id()
+        if self.grad is None or self.task != task:
+            self.grad, self.task = make(), task
+        return self.grad
+
+    def take(self) -> torch.Tensor | None:
+        """What this backward's readers gathered; the slot is empty afterwards (rule 3)."""
+        grad, task = self.grad, self.task
+        self.grad = self.task = None
+        return grad if task == torch._C._current_graph_task_id() else None
+
+
+def grad_slot(t: Any) -> GradSlot | None:
+    return getattr(t, GRAD_SLOT, None) if isinstance(t, torch.Tensor) else None
 
 
 def _tile_size(tile: TileSize) -> tuple[int, int, int]:
@@ -370,8 +425,10 @@ class TiledRun:
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def backward(self, inputs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor | None],
-                 needs: Sequence[bool]) -> tuple[list[torch.Tensor | None],
-                                                 list[torch.Tensor | None]]:
+                 needs: Sequence[bool], slots: Sequence[GradSlot | None] = ()
+                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """The inputs' and parameters' gradients; an input with a slot (``slots``, NOTE
+        [ Shared input gradients ]) has its gradient added into the slot, and None here."""
         params = [p for p in self.trace.params if p.requires_grad]
         n = len(self.stats)
         last = len(self.trace.ops) - 1
@@ -401,10 +458,15 @@ class TiledRun:
                 stats.sums = (zero, zero)
             else:
                 stats.sums = (sum_g, sum_gx)
+        slots = list(slots) or [None] * len(inputs)
+
+        def zeros(x: torch.Tensor, host: bool) -> torch.Tensor:
+            return host_zeros_like(x, self.device) if host else torch.zeros_like(x)
+
         dx: list[torch.Tensor | None] = [
-            None if not need else host_zeros_like(x, self.device) if host
-            else torch.zeros_like(x)
-            for x, need, host in zip(inputs, needs, self.host_inputs)]
+            None if not need else zeros(x, host) if slot is None
+            else slot.target(lambda x=x, host=host: zeros(x, host))  # type: ignore[misc]
+            for x, need, host, slot in zip(inputs, needs, self.host_inputs, slots)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
         repeats = _Repeats(self, ("final", *given))
         for k in range(len(self.tiles)):
@@ -412,6 +474,7 @@ class TiledRun:
                 continue
             with repeats.recording(k):
                 self._backward_tile(k, inputs, dys, needs, params, dx, dparams)
+        dx = [None if slot is not None else g for g, slot in zip(dx, slots)]
         return dx, [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
 
     def _norm_sums_tile(self, k: int, j: int, inputs: Sequence[torch.Tensor],
@@ -537,31 +600,43 @@ class _TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, run: TiledRun, n_inputs: int,  # type: ignore[override]
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                slots: tuple[GradSlot, ...] | None, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         ctx.run = run
         ctx.n_inputs = n_inputs
         ctx.amp = AmpState.capture(run.device)
         ctx.set_materialize_grads(False)  # an output without gradient costs nothing
         ctx.save_for_backward(*inputs)
+        ctx.slots = slots  # this run's outputs' (NOTE [ Shared input gradients ] rule 2)
+        ctx.read = [grad_slot(x) for x in inputs]  # its inputs' (rule 1)
         return tuple(run.forward([x.detach() for x in inputs]))
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         inputs = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[2:2 + ctx.n_inputs])
+        needs = list(ctx.needs_input_grad[3:3 + ctx.n_inputs])
         run: TiledRun = ctx.run
+        if ctx.slots is not None:
+            dys = tuple(_gathered(dy, slot.take()) for dy, slot in zip(dys, ctx.slots))
         if all(dy is None for dy in dys):
             return (None,) * len(ctx.needs_input_grad)
         with torch.enable_grad(), recomputing(), ctx.amp.restore(), _restoring_buffers():
-            dx, dparams = run.backward(inputs, dys, needs)
-        return (None, None, *dx, *dparams)
+            dx, dparams = run.backward(inputs, dys, needs, ctx.read)
+        return (None, None, None, *dx, *dparams)
+
+
+def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor | None:
+    """An output's gradient: autograd's part and the tiled readers' shared part (rule 2)."""
+    if shared is None or dy is None:
+        return dy if shared is None else shared
+    return shared.add_(dy if dy.device == shared.device else dy.to(shared.device))
 
 
 def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
          host: bool = False, device: torch.device | str | None = None,
-         stash: str | None = None) -> Any:
+         stash: str | None = None, share_grads: bool = False) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -584,6 +659,10 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     first parameter's). ``stash="device"`` or ``"host"`` keeps each normalisation's input
     whole while the passes that read it run, so that later passes start from it instead
     of recomputing from the inputs (NOTE [ Stashed passes ]): fewer FLOPs, more memory.
+    ``share_grads=True``: the tiled runs that read the outputs add their input gradients
+    into one tensor per output instead of one each (NOTE [ Shared input gradients ]);
+    then a tensor hook on an output, or ``torch.autograd.grad`` with respect to it, sees
+    only the gradient of its readers that are not tiled runs.
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
@@ -602,7 +681,10 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
         with torch.no_grad():
             outs = tuple(run.forward(list(inputs)))
     else:
-        outs = _TiledFunction.apply(run, len(inputs), *inputs, *params)
+        slots = tuple(GradSlot() for _ in run.trace.outputs) if share_grads else None
+        outs = _TiledFunction.apply(run, len(inputs), slots, *inputs, *params)
+        for out, slot in zip(outs, slots or ()):
+            setattr(out, GRAD_SLOT, slot)
     if host:
         for out in outs:
             mark_host(out)
