@@ -52,17 +52,39 @@ def test_several_outputs_and_missing_ones_keep_their_places():
 
 @pytest.mark.parametrize("call", [
     lambda c, x: c(aten.view.default, (x, [6, 4]), {}),              # a view
-    lambda c, x: c(aten.add_.Tensor, (x, x), {}),                    # in place
     lambda c, x: c(aten.add.out, (x, x), {"out": x}),                # out=
     lambda c, x: c(aten.split.Tensor, (x, 1), {}),                   # views, listed
     lambda c, x: c(aten.bernoulli.default, (x,), {}),                # random
-], ids=["view", "inplace", "out", "split", "random"])
+    lambda c, x: c(aten.bernoulli_.float, (x, 0.5), {}),             # random, in place
+    lambda c, x: c(aten.unsqueeze_.default, (x, 0), {}),             # in-place view
+    lambda c, x: c(aten.resize_.default, (x, [24]), {}),             # resizes
+    lambda c, x: c(aten.set_.source_Tensor, (x, _meta(5)), {}),      # swaps storage
+], ids=["view", "out", "split", "random", "random_", "unsqueeze_", "resize_", "set_"])
 def test_ops_that_alias_mutate_or_draw_are_never_cached(call):
     cache = MetaKernelCache()
     x = _meta(2, 3, 4)
     call(cache, x)
     call(cache, x)
     assert len(cache) == 0 and cache.hits == 0
+
+
+@pytest.mark.parametrize("func, extra", [
+    (aten.leaky_relu_.default, (0.01,)), (aten.add_.Tensor, None), (aten.copy_.default, None),
+    (aten.zero_.default, ())])
+def test_a_repeated_in_place_op_returns_its_tensor_without_the_kernel(func, extra):
+    """NOTE rule 5: the answer is the very tensor given, its metadata untouched."""
+    cache = MetaKernelCache()
+    x = _meta(2, 3, 4).transpose(0, 2)
+    y = _meta(2, 3, 4).transpose(0, 2)
+    args = (x, *((y,) if extra is None else extra))
+    first = cache(func, args, {})
+    again = (y, *((x,) if extra is None else extra))
+    second = cache(func, again, {})
+    assert first is x and second is y
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert y.shape == (4, 3, 2) and y.stride() == (1, 4, 12)
+    cache(func, (x.contiguous(), *args[1:]), {})  # another layout: another key
+    assert (cache.misses, cache.hits) == (2, 1)
 
 
 def test_only_plain_meta_tensors_under_no_other_mode_are_keyed():
