@@ -24,6 +24,10 @@ NOTE [ Which plan optimal chooses ]
      zoo, the smallest untiled plan with offload lies 6-89 % above it): their search is
      skipped too, and tiling tried at once. Only when tiling fails too are the untiled
      searches run, for the error's smallest peak (or their plan, should one fit).
+     Before capturing, a weaker floor from the module profile alone (one convolution's
+     backward: its input and its output's and input's gradients, NOTE [ The recompute
+     floor ]) decides the same where it is over the budget, and the capture (seconds at
+     512³) is made only if the error's message needs the graph's smallest peak.
   3. A step that cannot be traced as one graph (``CaptureError``) is planned by its modules;
      the reason is logged and in the plan's notes (``graph=True`` warns with it).
   4. ``graph=False`` is module plans only (what a hand-written plan, the trainer under
@@ -61,7 +65,7 @@ from remat3d.instrument.step import example_input, input_dtype, meta_copy
 from remat3d.instrument.tracker import shared_repeats
 from remat3d.measurement import measure
 from remat3d.planner.graph_search import search_graph
-from remat3d.planner.liveness import recompute_floor
+from remat3d.planner.liveness import convolution_floor, recompute_floor
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.searching import Measured, Problem, search
 from remat3d.planner.stages import StageModel, build_stages
@@ -82,6 +86,7 @@ _ROUNDS = 8
 # a graph plan's measured peak is its simulated one within 3 % (NOTE [ Simulating the
 # partitioned step ]); the recompute floor bounds the simulated one
 _FLOOR_SLACK = 0.03
+_UNCAPTURED: Any = object()  # below the convolution floor: the graph is captured if needed
 _GRAPH_CHOOSERS = ("optimal", "auto")  # NOTE [ Which plan optimal chooses ]
 logger = logging.getLogger(__name__)
 
@@ -240,7 +245,17 @@ def plan(
     untiled_floor = 0  # NOTE rule 2: no plan without tiling peaks below it
     step_flops = prof.graph.forward_flops + prof.graph.backward_flops
     # an unplanned step that fits needs no graph (a module plan of nothing)
-    if chooses and (explicit or prof.peak_bytes > budget_bytes):
+    conv = convolution_floor(prof.graph, amp, all(p.requires_grad for p in model.parameters()))
+    if chooses and not explicit and conv.bytes * (1 - _FLOOR_SLACK) > budget_bytes:
+        # NOTE rule 2, without capturing: one convolution's backward alone is over
+        below_floor = _UNCAPTURED
+        untiled_floor = int(conv.bytes * (1 - _FLOOR_SLACK))
+        fallback = (f"no graph plan fits {format_bytes(budget_bytes)} (the backward of "
+                    f"{conv.node} alone holds {format_bytes(conv.bytes)} with the "
+                    "parameters: its input and its output's and input's gradients): a "
+                    "module plan")
+        logger.info("%s", fallback)
+    elif chooses and (explicit or prof.peak_bytes > budget_bytes):
         logger.info("capturing the step's aten graph")
         try:
             captured = capture(model, *examples, amp=amp_dtype(header.amp))
@@ -311,10 +326,15 @@ def plan(
         lowest = min(failures, key=lambda e: e.smallest_feasible_bytes)
         if below_floor is not None:  # the graph's smallest, for the message only
             try:
+                if below_floor is _UNCAPTURED:
+                    logger.info("capturing the step's aten graph")
+                    below_floor = capture(model, *examples, amp=amp_dtype(header.amp))
                 _graph_plan(model, examples, header, below_floor, prof.peak_bytes,
                             step_flops, strategy=strategy, loss_fn=loss_fn)
             except InfeasibleBudgetError as exc:
                 graph_smallest = exc.smallest_feasible_bytes
+            except CaptureError as exc:
+                logger.info("%s", exc)
         if graph_smallest is None or graph_smallest >= lowest.smallest_feasible_bytes:
             raise lowest
         raise InfeasibleBudgetError(  # a graph plan goes lower than any module plan

@@ -2,6 +2,7 @@
 
 ``remat3d bench tiling [--exactness] [--size 512] [--tile 128]``
 ``remat3d bench tiling --layouts [--host] [--size 512]``
+``remat3d bench tiling --stored-skip [--size 512]``
 
 - exactness: each of nnunet, unet, basicunet, segresnet, one fp32 CPU training step with
   the full-resolution stages tiled (``presets.full_resolution_plan``) against the same
@@ -10,7 +11,11 @@
 - memory: one nnU-Net training step on the meta device with bf16 autocast, measured by
   the tracker (``remat3d.measure``): untiled; full-resolution modules tiled; and
   ``nnunet_whole_volume_forward``, which tiles the two outer levels of the U-Net as two
-  runs that never hold a full-resolution activation (see docs/tiling.md).
+  runs that never hold a full-resolution activation (see docs/tiling.md);
+- stored skip: nnU-Net v2's PlainConvUNet at 512³ bf16 without host memory, its
+  full-resolution skip stored on the device (read by two tiled runs that share its
+  gradient, NOTE [ Shared input gradients ]) against recomputed in both readers: why a
+  24 GiB plan without offload recomputes the skip (docs/tiling.md).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["exactness_rows", "memory_rows", "nnunet_whole_volume_forward"]
+__all__ = ["exactness_rows", "memory_rows", "nnunet_whole_volume_forward", "stored_skip_rows"]
 
 GiB = 2**30
 
@@ -152,6 +157,65 @@ def layout_rows(size: int, amp: str | None = "bf16", host: bool = False
     return rows
 
 
+def _skip_regions(size: int, skip: str, top: int, tile_level2: bool) -> list[Any]:
+    """nnU-Net v2's outer levels tiled (full-resolution tile ``size // 4``, the top decoder
+    run's ``top``), the skip stored or fused, every other stage recomputed."""
+    from remat3d.planspec import Region
+
+    t = size // 4
+    tiled = {
+        "encoder.stages.0": Region("encoder.stages.0", decision="tile", tile=[t] * 3,
+                                   fuse=skip == "fused"),
+        "encoder.stages.1": Region("encoder.stages.1", decision="tile", tile=[t // 2] * 3),
+        "decoder.@3": Region("decoder.@3", decision="tile", tile=[t // 2] * 3,
+                             stash="device"),
+        "decoder.@4": Region("decoder.@4", decision="tile", tile=[top] * 3, fuse=True),
+        "decoder.seg_layers.4": Region("decoder.seg_layers.4", decision="tile",
+                                       tile=[top] * 3),
+    }
+    if tile_level2:
+        tiled["decoder.@2"] = Region("decoder.@2", decision="tile", tile=[t // 4] * 3,
+                                     stash="device")
+    recomputed = [Region(name) for name in ("encoder.stages.2", "encoder.stages.3",
+                                            "encoder.stages.4", "encoder.stages.5",
+                                            "decoder.@0", "decoder.@1", "decoder.@2")
+                  if name not in tiled]
+    return [*tiled.values(), *recomputed]
+
+
+STORED_SKIP_SETUPS = [  # (label, skip, top decoder run's tile edge / size, level 2 tiled)
+    ("skip fused into both readers", "fused", 4, False),
+    ("skip stored", "stored", 4, False),
+    ("skip stored, top decoder run in 8ths", "stored", 8, False),
+    ("skip stored, top run in 8ths, decoder.@2 tiled", "stored", 8, True),
+]
+
+
+def stored_skip_rows(size: int = 512) -> list[dict[str, Any]]:
+    """nnU-Net v2 (``nnunetv2``) at ``size``³ bf16 on meta, no host memory: the
+    full-resolution skip recomputed in both of its readers' runs, or stored (its two tiled
+    readers sharing one gradient), each measured like the planner verifies."""
+    import remat3d
+    from remat3d import zoo
+    from remat3d.planspec import Plan
+    from remat3d.runtime.spans import spans_for
+
+    model = zoo.build_model("nnunetv2", device="meta")
+    shape = (1, 1, size, size, size)
+    prof = remat3d.profile(model, shape, device="meta", amp="bf16")
+    spans = spans_for(model, prof.graph)
+    base = prof.graph.forward_flops + prof.graph.backward_flops
+    rows = [{"setup": "untiled", "peak_bytes": prof.peak_bytes, "flops": base, "at": ""}]
+    for label, skip, part, level2 in STORED_SKIP_SETUPS:
+        planned = zoo.build_model("nnunetv2", device="meta")
+        regions = _skip_regions(size, skip, size // part, level2)
+        remat3d.apply(planned, Plan(regions=regions, spans=spans))
+        m = remat3d.measure(planned, shape, device="meta", amp="bf16")
+        rows.append({"setup": label, "peak_bytes": m.peak_bytes, "flops": m.flops,
+                     "at": m.peak_modules[0] if m.peak_modules else ""})
+    return rows
+
+
 EXACTNESS_CASES: list[tuple[str, int, Any]] = [
     ("nnunet", 64, 64), ("nnunet", 64, 24), ("nnunet", 64, (40, 64, 27)),
     ("unet", 32, 12), ("unet", 48, (20, 48, 17)),
@@ -249,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", action="store_true",
                         help="with --layouts: also the layouts that keep tiled outputs in "
                              "host memory (the planner's with offload allowed)")
+    parser.add_argument("--stored-skip", action="store_true",
+                        help="nnunetv2 without host memory: the full-resolution skip "
+                             "stored (its readers sharing a gradient) or recomputed")
     parser.add_argument("--setups", default=";".join(SETUPS),
                         help="separated by ;, the first is the FLOP reference")
     args = parser.parse_args(argv)
@@ -264,6 +331,15 @@ def main(argv: list[str] | None = None) -> None:
                   f"{floor['output']:.1e} / {floor['grads']:.1e} | "
                   f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
                   flush=True)
+    if args.stored_skip:
+        rows = stored_skip_rows(args.size)
+        print(f"\nnnunetv2 {args.size}³, bf16 autocast, meta, no host memory")
+        print("| setup | step peak | at | FLOPs vs untiled |")
+        print("|---|---:|---|---:|")
+        for r in rows:
+            print(f"| {r['setup']} | {r['peak_bytes'] / GiB:.2f} GiB | {r['at']} | "
+                  f"{r['flops'] / rows[0]['flops']:.2f}x |", flush=True)
+        return
     if args.layouts:
         rows = layout_rows(args.size, host=args.host)
         print(f"\nnnunet {args.size}³, bf16 autocast, meta: the planner's tiling layouts")

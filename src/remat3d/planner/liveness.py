@@ -38,9 +38,11 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from remat3d.graph import CostGraph
 from remat3d.opgraph import OpGraph, OpNode
 
-__all__ = ["AGAIN", "Floor", "Liveness", "closed_recompute", "late_copies", "recompute_floor",
+__all__ = ["AGAIN", "Floor", "Liveness", "closed_recompute", "convolution_floor", "late_copies",
+           "recompute_floor",
            "simulate"]
 
 AGAIN = "__again"  # the suffix of a second recomputation's name (NOTE rule 4)
@@ -367,3 +369,47 @@ def recompute_floor(graph: OpGraph) -> Floor:
         for name in [n for n in live if last.get(n, index[n]) <= i]:
             del live[name]
     return Floor(floor, at)
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8,
+             "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_CONVOLUTIONS = {"Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                 "ConvTranspose3d"}
+
+
+def convolution_floor(graph: CostGraph, amp: str | None, trainable: bool) -> Floor:
+    """A lower bound on the peak of every untiled plan, graph or module, from the module
+    profile alone: no capture (NOTE [ The recompute floor ], the convolution bound).
+
+    The recompute floor needs the captured graph (seconds at 512³); this bound does not.
+    When every parameter is trained (``trainable``), each convolution's backward runs
+    once, whole, in every plan that does not tile it, and holds at once: the tensor it
+    convolved (the gradient of its weight reads it; saved or recomputed, it exists), the
+    gradient of its output, and, when its input came from another module (it needs a
+    gradient: every parameter upstream is trained), the gradient of that input, as large
+    as the input. Bytes are counted at the convolution's compute precision or less
+    (``amp``: its inputs are cast to that first), its input as the single tensor the
+    module read from another module (a module that read several is left out), plus the
+    parameters. So it is below or at the recompute floor and the verified peak of every
+    untiled plan (``tests/planner/test_floor.py``): a budget under it needs tiling, with
+    no capture to find that out."""
+    if not trainable:
+        return Floor(0, "")
+    amp_size = {"bf16": 2, "fp16": 2}.get(amp or "", 8)
+    reads: dict[int, list] = {}
+    for edge in graph.edges:
+        reads.setdefault(edge.dst, []).append(edge)
+    best, at = 0, ""
+    for node in graph.nodes:
+        edges = reads.get(node.id, [])
+        if node.module_type not in _CONVOLUTIONS or node.children or len(edges) != 1:
+            continue
+        edge = edges[0]
+        numel = 1
+        for n in edge.shape:
+            numel *= n
+        size = min(_ITEMSIZE.get(edge.dtype, 1), amp_size)
+        held = numel * size * (1 if edge.src == -1 else 2) + node.output_bytes
+        if held > best:
+            best, at = held, node.name
+    return Floor(graph.param_bytes + best, at) if best else Floor(0, "")
