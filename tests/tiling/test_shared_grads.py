@@ -27,9 +27,9 @@ def _modules(dtype: torch.dtype = torch.float64, device: str = "cpu") -> list[nn
 
 
 def _loss(stem: nn.Module, a: nn.Module, b: nn.Module, x: torch.Tensor, *, tiled: bool,
-          share: bool = True, plain_reader: bool = False) -> torch.Tensor:
+          share: bool = True, plain_reader: bool = False, host: bool = False) -> torch.Tensor:
     if tiled:
-        s = remat3d.tile(stem, x, tile=5, share_grads=share)
+        s = remat3d.tile(stem, x, tile=5, share_grads=share, host=host)
         ya, yb = remat3d.tile(a, s, tile=4), remat3d.tile(b, s, tile=3)
     else:
         s = stem(x)
@@ -46,6 +46,20 @@ def _reset(mods: list[nn.Module], x: torch.Tensor) -> None:
     x.grad = None
     for m in mods:
         m.zero_grad(set_to_none=True)
+
+
+def _untiled(mods: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """The untiled step's gradients (float64: the reference); all gradients reset after."""
+    _reset(mods, x)
+    _loss(*mods, x, tiled=False).backward()
+    grads = _grads(mods, x)
+    _reset(mods, x)
+    return grads
+
+
+def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("plain_reader", [False, True])
@@ -79,15 +93,11 @@ def test_the_output_carries_a_slot_and_backward_leaves_it_empty() -> None:
 def test_backward_twice_with_retain_graph_starts_from_an_empty_slot() -> None:
     mods = _modules()
     x = torch.randn(1, 1, 10, 9, 8, dtype=torch.float64, requires_grad=True)
-    _reset(mods, x)
-    _loss(*mods, x, tiled=False).backward()
-    once = _grads(mods, x)
-    _reset(mods, x)
+    once = _untiled(mods, x)
     loss = _loss(*mods, x, tiled=True)
     loss.backward(retain_graph=True)
     loss.backward()
-    for g, want in zip(_grads(mods, x), once):
-        assert torch.allclose(g, 2 * want, rtol=1e-9, atol=1e-10)
+    _assert_close(_grads(mods, x), [2 * g for g in once])
 
 
 class _FailOnce(torch.autograd.Function):
@@ -132,22 +142,15 @@ def test_a_slot_left_by_a_failed_backward_is_not_added_to() -> None:
         loss.backward(retain_graph=True)
     _reset([stem, a, b], x)
     loss.backward()
-    for g, w in zip(_grads([stem, a, b], x), want):
-        assert torch.allclose(g, w, rtol=1e-9, atol=1e-10)
+    _assert_close(_grads([stem, a, b], x), want)
 
 
 def test_host_outputs_share_their_gradient_on_the_host() -> None:
     mods = _modules()
     x = torch.randn(1, 1, 10, 9, 8, dtype=torch.float64, requires_grad=True)
-    _reset(mods, x)
-    _loss(*mods, x, tiled=False).backward()
-    want = _grads(mods, x)
-    _reset(mods, x)
-    stem, a, b = mods
-    s = remat3d.tile(stem, x, tile=5, host=True, share_grads=True)
-    ((remat3d.tile(a, s, tile=4) ** 2).sum() + remat3d.tile(b, s, tile=3).sum() * 0.5).backward()
-    for g, w in zip(_grads(mods, x), want):
-        assert torch.allclose(g, w, rtol=1e-9, atol=1e-10)
+    want = _untiled(mods, x)
+    _loss(*mods, x, tiled=True, host=True).backward()
+    _assert_close(_grads(mods, x), want)
 
 
 def _meta_peak(share: bool) -> int:
