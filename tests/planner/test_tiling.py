@@ -191,8 +191,9 @@ def test_with_offload_the_skip_goes_to_the_host_instead_of_being_recomputed() ->
 
 def test_a_layout_is_passed_over_when_a_more_frugal_one_does_not_fit() -> None:
     """NOTE [ Tiling layouts ] rule 6: before a layout is verified, the most frugal layout
-    of its stages and tiles is; when it does not fit, neither is verified again, and the
-    layout chosen is the first in cost order that fits and was measured."""
+    of its stages (the smallest tiles of its sweep, the most in host memory) is; when it
+    does not fit, none it dominates is verified, and the layout chosen is the first in
+    cost order that fits and was measured."""
     from remat3d.planner.registry import PlannerOptions
     from remat3d.planner.stages import Stage, StageModel
     from remat3d.planner.tiled_plans import first_fitting_layout
@@ -225,20 +226,34 @@ def test_a_layout_is_passed_over_when_a_more_frugal_one_does_not_fit() -> None:
     def fresh(regions: list[Region]) -> Plan:
         return Plan(regions=regions)
 
+    # a budget no layout fits: the most frugal one (tile 4 on the host) is measured
+    # once, and every other is passed over unmeasured (each keeps as much or more)
+    chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 30,
+                                            fresh, check)
+    assert chosen is None and smallest == 40
+    assert verified == [(4, "host")]
+    # one that only tile 4 on the host fits: the frugal probe fits, so the cheaper
+    # layouts before it in cost order are each measured, then it is chosen
+    verified.clear()
     chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 50,
                                             fresh, check)
     assert chosen is not None and chosen.regions[0].tile == [4, 4, 4]
     assert chosen.regions[0].host  # the stored tile-4 layout (60) does not fit 50
-    # tile 8's host layout (the frugal one) was measured once, above 50: tile 8 stored
-    # was never verified
-    assert verified == [(8, "host"), (4, "host"), (4, "device")]
+    assert verified == [(4, "host"), (8, "device"), (8, "host"), (4, "device")]
     assert smallest == 40
     # a budget the stored tile-8 layout fits: it is chosen, after its frugal probe
     verified.clear()
     chosen, _ = first_fitting_layout(order, stages, PlannerOptions(), None, 95, fresh, check)
     assert chosen is not None and chosen.regions[0].tile == [8, 8, 8]
     assert not chosen.regions[0].host
-    assert verified == [(8, "host"), (8, "device")]
+    assert verified == [(4, "host"), (8, "device")]
+    # at 75: after the probe, 8 stored is measured (90, over) and then 8 on the host
+    # (70), the first in cost order that fits
+    verified.clear()
+    chosen, _ = first_fitting_layout(order, stages, PlannerOptions(), None, 75, fresh, check)
+    assert chosen is not None and chosen.regions[0].tile == [8, 8, 8]
+    assert chosen.regions[0].host
+    assert verified == [(4, "host"), (8, "device"), (8, "host")]
 
 
 def test_a_layout_is_extended_by_the_stage_that_held_its_peak(graph_and_stages) -> None:  # type: ignore[no-untyped-def]

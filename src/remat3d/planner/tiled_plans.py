@@ -58,16 +58,17 @@ def layout_regions(stages: StageModel, layout: Layout,
 
 def at_least_as_frugal(a: Layout, b: Layout) -> bool:
     """Whether ``a`` keeps no more on the device than ``b`` (NOTE [ Tiling layouts ] rule
-    6): the same stages with the same tiles, each output where ``b`` has it or, where
-    ``b`` stores it on the device, in host memory. (Not fused: a fused output is
-    recomputed inside its readers' tiles, which hold more at a time; at small volumes
+    6): the same stages, of the same sweep, each in a tile no larger than ``b``'s (the
+    same whole tensors, a smaller working set per tile), each output where ``b`` has it
+    or, where ``b`` stores it on the device, in host memory. (Not fused: a fused output
+    is recomputed inside its readers' tiles, which hold more at a time; at small volumes
     that peak is the higher one.)"""
-    if a.tiled.keys() != b.tiled.keys():
+    if a.tiled.keys() != b.tiled.keys() or a.fine != b.fine:
         return False
     for s, (size, out) in a.tiled.items():
         size_b, out_b = b.tiled[s]
-        if size != size_b or not (out == out_b or (out == TiledOutput.HOST
-                                                   and out_b == TiledOutput.DEVICE)):
+        if any(x > y for x, y in zip(size, size_b)) or not (
+                out == out_b or (out == TiledOutput.HOST and out_b == TiledOutput.DEVICE)):
             return False
     return True
 
@@ -177,11 +178,11 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
             return repaired, smallest
         if passed_over(layout):
             continue
-        # the most frugal layout of the same stages and tiles (it fits, or none it
-        # dominates does)
+        # the most frugal layout of the same stages, the smallest tiles and the most in
+        # host memory (it fits, or none it dominates does)
         frugal = min((j for j, other in enumerate(ordered)
                       if at_least_as_frugal(other, layout)),
-                     key=lambda j: (_stored(ordered[j]), j))
+                     key=lambda j: (_stored(ordered[j]), ordered[j].tile, j))
         if ordered[frugal] is not layout:
             tried(ordered[frugal])
             if passed_over(layout):

@@ -50,10 +50,16 @@ NOTE [ Tiling layouts ]
      host-resident output leaves only its readers' slices on the device). Before a
      layout is verified, the one of its stages and tiles that keeps the most in host
      memory is, once; when it does not fit, the layouts it dominates are passed over
-     unmeasured (``planner/tiled_plans.py``, ``first_fitting_layout``). Fusion is not
-     ordered so: a fused output is recomputed inside its readers' tiles, which then hold
-     more at a time, and at small volumes that peak is the higher one. The plan chosen is
-     always one that was measured.
+     unmeasured (``planner/tiled_plans.py``, ``first_fitting_layout``). So are larger
+     tiles: the same stages with the same outputs in a larger tile hold the same whole
+     tensors (inputs, outputs, their gradients, statistics, stashes) and a larger working
+     set per tile, so the layout with the smaller tiles (of the same sweep) and the most
+     in host memory is verified first, and when it does not fit, the larger tiles are
+     passed over (at 512³ with 24 GiB every half-edge layout is far above the budget:
+     ResEnc-L's five of them, 9 s of its search). Fusion is not ordered so: a fused
+     output is recomputed inside its readers' tiles, which then hold more at a time, and
+     at small volumes that peak is the higher one. The plan chosen is always one that
+     was measured.
   7. Repair: a layout verified above the budget with its peak inside a stage it does not
      tile (the verifier names the module running at the peak) is tried again with that
      stage tiled too, by rules 2 and 3 (``extend_layout``): a level-0 layout whose peak
