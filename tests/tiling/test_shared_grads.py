@@ -87,7 +87,7 @@ def test_the_output_carries_a_slot_and_backward_leaves_it_empty() -> None:
     assert grad_slot(remat3d.tile(mods[0], x, tile=4)) is None  # not asked: no slot
     loss = (remat3d.tile(mods[1], s, tile=4) ** 2).sum() + remat3d.tile(mods[2], s, tile=4).sum()
     loss.backward()
-    assert slot.grad is None and slot.task is None
+    assert slot.grads == {}
 
 
 def test_backward_twice_with_retain_graph_starts_from_an_empty_slot() -> None:

@@ -69,9 +69,11 @@ NOTE [ Shared input gradients ]
      a hook's wrapper carries no slot). Autograd runs the producer only after every
      reader of its outputs (their edges, not their gradients, order it), so the slot is
      complete when taken; a reader whose backward never runs added nothing.
-  3. A slot is filled within one backward (one autograd graph task): one left by a
-     backward that failed midway is dropped, not added to. Taken, it is empty again
-     (a second backward with ``retain_graph`` starts from nothing).
+  3. A slot keeps one tensor per backward (per autograd graph task, as autograd keeps
+     its gradients): what a backward that failed midway left is never added to another
+     backward's (it goes with the graph), a second backward with ``retain_graph`` starts
+     from nothing, and a ``torch.autograd.grad`` nested inside a backward gathers its
+     own.
   4. What this changes: the rounding order of the readers' sums (within the tiled
      tolerance), and what autograd itself sees of the output's gradient: a tensor hook or
      ``retain_grad`` on the output, or ``torch.autograd.grad`` with respect to it, sees
@@ -128,26 +130,24 @@ GRAD_SLOT = "_remat3d_grad_slot"  # the attribute a shared-gradient output carri
 
 class GradSlot:
     """The gradient of one tiled output, gathered by its tiled readers (NOTE [ Shared
-    input gradients ])."""
+    input gradients ]), one per autograd graph task (rule 3)."""
 
-    __slots__ = ("grad", "task")
+    __slots__ = ("grads",)
 
     def __init__(self) -> None:
-        self.grad: torch.Tensor | None = None
-        self.task: int | None = None
+        self.grads: dict[int, torch.Tensor] = {}
 
     def target(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The tensor this backward's readers add into, made by the first (rule 3)."""
         task = torch._C._current_graph_task_id()
-        if self.grad is None or self.task != task:
-            self.grad, self.task = make(), task
-        return self.grad
+        grad = self.grads.get(task)
+        if grad is None:
+            grad = self.grads[task] = make()
+        return grad
 
     def take(self) -> torch.Tensor | None:
-        """What this backward's readers gathered; the slot is empty afterwards (rule 3)."""
-        grad, task = self.grad, self.task
-        self.grad = self.task = None
-        return grad if task == torch._C._current_graph_task_id() else None
+        """What this backward's readers gathered, no longer kept (rule 3)."""
+        return self.grads.pop(torch._C._current_graph_task_id(), None)
 
 
 def grad_slot(t: Any) -> GradSlot | None:
