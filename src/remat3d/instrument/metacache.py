@@ -142,7 +142,7 @@ class MetaKernelCache:
     def __init__(self, limit: int = 1 << 16) -> None:
         self.limit = limit
         self._ops: dict[torch._ops.OpOverload, str | None] = {}
-        self._table: dict[tuple[Any, ...], tuple[type, list[_Spec]]] = {}
+        self._table: dict[tuple[Any, ...], tuple[type | None, list[_Spec]]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -171,11 +171,15 @@ class MetaKernelCache:
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         specs = _describe(out, inputs)
         if specs is not None:
-            if len(self._table) >= self.limit:
-                self._table.clear()
-            self._table[key] = (torch.Tensor if isinstance(out, torch.Tensor) else type(out),
-                                specs)
+            self._remember(key, torch.Tensor if isinstance(out, torch.Tensor) else type(out),
+                           specs)
         return out
+
+    def _remember(self, key: tuple[Any, ...], kind: type | None, specs: list[_Spec]) -> None:
+        """Record an answer (``kind`` None: in place, rule 5); bounded by ``limit``."""
+        if len(self._table) >= self.limit:
+            self._table.clear()
+        self._table[key] = (kind, specs)
 
     def _inplace(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict,
                  key: tuple[Any, ...]) -> Any:
@@ -187,9 +191,7 @@ class MetaKernelCache:
         out = func(*args, **kwargs)
         if out is self_ and before == (self_.shape, self_.stride(), self_.storage_offset(),
                                        self_.untyped_storage()._cdata):
-            if len(self._table) >= self.limit:
-                self._table.clear()
-            self._table[key] = (None, [])
+            self._remember(key, None, [])
         return out
 
     def _key(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict

@@ -35,6 +35,7 @@ NOTE [ Simulating the partitioned step ]
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -405,11 +406,8 @@ def convolution_floor(graph: CostGraph, amp: str | None, trainable: bool) -> Flo
         if node.module_type not in _CONVOLUTIONS or node.children or len(edges) != 1:
             continue
         edge = edges[0]
-        numel = 1
-        for n in edge.shape:
-            numel *= n
         size = min(_ITEMSIZE.get(edge.dtype, 1), amp_size)
-        held = numel * size * (1 if edge.src == -1 else 2) + node.output_bytes
+        held = math.prod(edge.shape) * size * (1 if edge.src == -1 else 2) + node.output_bytes
         if held > best:
             best, at = held, node.name
     return Floor(graph.param_bytes + best, at) if best else Floor(0, "")
