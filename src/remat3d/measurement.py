@@ -44,6 +44,10 @@ class Measurement:
     # the module invocations running when the peak was reached, innermost first (empty:
     # outside every module, or a graph plan's step)
     peak_modules: tuple[str, ...] = ()
+    # per tiled run (by its plan region's label, decoder.@4#0, else its module's name),
+    # the most bytes live on the device while its passes ran: "forward", and in backward
+    # the normalisations' "sums" passes and the "final" pass
+    tiled_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def measure(
@@ -88,6 +92,7 @@ def measure(
             breakdown=tracker.peak_breakdown(),
             host_bytes=tracker.host_peak_bytes,
             peak_modules=tracker.peak_modules(),
+            tiled_peaks=tracker.window_peaks(),
         )
     finally:
         tracker.close()

@@ -139,7 +139,7 @@ def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: st
     with op_by_op_checks():
         m = measure(copy_, *examples, device="meta", amp=amp, loss_fn=loss_fn)
     return Measured(m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes,
-                    m.peak_modules[0] if m.peak_modules else None)
+                    m.peak_modules[0] if m.peak_modules else None, m.tiled_peaks)
 
 
 def plan(

@@ -157,6 +157,10 @@ class Plan:
     # the innermost module running when the verified step reached its peak (qualified
     # name; None: outside every module, or not verified)
     verified_peak_module: str | None = None
+    # per tiled region's label, the most device bytes live while its run's passes ran
+    # ("forward", backward "sums" and "final"): where the planner finds room for what
+    # only that run holds
+    verified_tiled_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     recompute_flops: int | None = None
     # FLOPs of the verified planned step minus the unplanned step's: recomputation plus,
     # for tiled regions, their extra passes and halos

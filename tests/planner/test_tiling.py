@@ -59,6 +59,11 @@ def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # 
     assert fused["none"] == set()
     assert fused["chain"] == {"up"}  # the decoder stage feeds the head only
     assert "head" not in fused["all"] and "up" in fused["all"]
+    # two levels: "chain" fuses a stage into its one reader only where that run gains no
+    # normalisation pass: "down" into "inner" (none), "up" into the head; not "inner"
+    # into "up" (its convolutions would run again in the pass of up's normalisation)
+    two = {names[s] for s, (_t, out) in by[(2, "chain")].tiled.items() if out == "fused"}
+    assert two == {"down", "up"}
     # with host memory allowed: "host" keeps every output that only tiled stages read
     # (the skip, read by the encoder's "down" and the decoder's "up"; the decoder's output,
     # read by the head) in host memory; "chain+host" fuses the chain and keeps the rest
@@ -357,19 +362,25 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     assert verified == [(0,), (0, 1, 2)]
 
 
-def test_the_fine_tile_is_a_second_sweep_after_every_coarse_layout() -> None:
+def test_the_fine_tile_is_a_second_sweep_before_full_fusion() -> None:
     """Rule 5: by default a half and a quarter of the volume's shortest edge, then the
-    same order again with an eighth, for budgets the larger tiles cannot reach."""
+    same order again with an eighth, for budgets the larger tiles cannot reach: the
+    layouts without full fusion in both sweeps, then full fusion in both (it costs more
+    than the halos of the smaller tiles)."""
     prof = profile(TinyUNet(), (1, 1, 128, 128, 128), device="meta")
     stages = build_stages(prof.graph)
     every = layouts(prof.graph, stages, [True] * len(stages.stages))
-    tiles = [lay.tile for lay in every]
-    assert set(tiles) == {64, 32, 16}
-    first = tiles.index(16)
-    assert all(lay.fine and lay.tile == 16 for lay in every[first:])
-    assert not any(lay.fine for lay in every[:first])
-    assert [(lay.depth, lay.fuse) for lay in every[first:]] == \
-        [(lay.depth, lay.fuse) for lay in every[:first] if lay.tile == 64]
+    assert {lay.tile for lay in every} == {64, 32, 16}
+    full = [lay.fuse == "all" for lay in every]
+    assert full == sorted(full)  # no partial fusion after full fusion
+    for part in ([lay for lay in every if lay.fuse != "all"],
+                 [lay for lay in every if lay.fuse == "all"]):
+        fine = [lay.fine for lay in part]
+        assert fine == sorted(fine) and any(fine)
+        assert all(lay.tile == 16 for lay in part if lay.fine)
+        assert not any(lay.tile == 16 for lay in part if not lay.fine)
+        assert [(lay.depth, lay.fuse) for lay in part if lay.fine] == \
+            [(lay.depth, lay.fuse) for lay in part if lay.tile == 64]
     small = profile(TinyUNet(), SHAPE, device="meta")  # an eighth of 32 is under 16
     small_stages = build_stages(small.graph)
     assert not any(lay.fine for lay in layouts(small.graph, small_stages,
@@ -377,18 +388,31 @@ def test_the_fine_tile_is_a_second_sweep_after_every_coarse_layout() -> None:
 
 
 def test_the_coarse_sweeps_repairs_come_before_the_fine_sweep() -> None:
+    """Rules 6 and 7 across the sweeps: the fine tile of the same stages is measured
+    first (it holds no more); where it fits, the coarse layout is measured, and its
+    repair comes before the fine layout; where it misses, the coarse layout is passed
+    over but repaired from the fine one's peak, still before the fine sweep's layouts."""
     def lay(tiled: set[int], edge: int, added: tuple[str, ...] = ()) -> Layout:
         return Layout(depth=1, fuse="none", tile=edge, added=added, fine=edge == 2,
                       tiled=dict.fromkeys(sorted(tiled), ((edge,) * 3, "device")))
 
-    peaks = {((0,), 4): (80, "s1.conv"), ((0, 1), 4): (30, None),
-             ((0,), 2): (40, None)}
-    table = _TableVerifier(2, peaks, lambda tiled: (_tiled_stages(tiled), tiled[0].tile[0]),
-                           lambda like, tiled, added: lay(tiled, like.tile, added))
-    chosen = table.first_fitting([lay({0}, 4), lay({0}, 2)], 50)
-    # the coarse layout misses with its peak in s1: its repair, not the fine tile, is next
-    assert table.verified == [((0,), 4), ((0, 1), 4)]
+    def table(peaks: dict) -> _TableVerifier:
+        return _TableVerifier(2, peaks, lambda tiled: (_tiled_stages(tiled), tiled[0].tile[0]),
+                              lambda like, tiled, added: lay(tiled, like.tile, added))
+
+    fits = table({((0,), 4): (80, "s1.conv"), ((0, 1), 4): (30, None), ((0,), 2): (40, None)})
+    chosen = fits.first_fitting([lay({0}, 4), lay({0}, 2)], 50)
+    assert fits.verified == [((0,), 2), ((0,), 4), ((0, 1), 4)]
     assert chosen is not None and chosen.verified_peak_bytes == 30
+
+    misses = table({((0,), 2): (80, "s1.conv"), ((0, 1), 4): (30, None),
+                    ((0, 1), 2): (25, None)})
+    chosen = misses.first_fitting([lay({0}, 4), lay({0}, 2)], 50)
+    assert misses.verified == [((0,), 2), ((0, 1), 4)]
+    assert chosen is not None and chosen.verified_peak_bytes == 30
+    # without repairs, the coarse layout is passed over and nothing else fits
+    assert misses.first_fitting([lay({0}, 4), lay({0}, 2)], 50, repair=False) is None
+    assert misses.verified == [((0,), 2)]
 
 
 class _Stemmed(torch.nn.Module):
@@ -577,6 +601,24 @@ def test_runs_stash_on_the_device_where_room_allows_most_passes_first(graph_and_
     verified.clear()
     assert stash_where_room(start, 100, stages, check, norms, readers) is start  # no room
     assert verified == []
+    # the room is the budget above what each run held while its passes ran: the step's
+    # peak elsewhere leaves room in the stem's run (its final pass, which holds no stash,
+    # is at the peak), none in the others'
+    big = 10**9
+    held = Plan(regions=start.regions, verified_peak_bytes=big, extra_flops=1000,
+                step_flops=1, verified_tiled_peaks={
+                    "stem#0": {"forward": 1, "sums": 1, "final": big},
+                    "down#0": {"forward": big, "sums": 1, "final": 1}})
+
+    def level(plan: Plan) -> Plan:
+        check(plan)
+        plan.verified_peak_bytes = big
+        return plan
+
+    verified.clear()
+    chosen = stash_where_room(held, big, stages, level, norms, readers)
+    assert verified == [["stem"]]
+    assert {r.module for r in chosen.regions if r.stash == "device"} == {"stem"}
     # with offload every layout's runs stash on the host already (a fused stage runs in
     # its reader's run): nothing to try
     hosted = Plan(regions=layout_regions(stages, lay, stash="host"), verified_peak_bytes=100,

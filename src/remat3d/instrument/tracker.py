@@ -87,7 +87,7 @@ from remat3d.instrument.state import current_placement, is_recomputing
 from remat3d.instrument.tensors import tensors_in
 
 __all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "Repeat", "TimelineEvent",
-           "replaying_tracker", "shared_repeat", "shared_repeats"]
+           "active_tracker", "replaying_tracker", "shared_repeat", "shared_repeats"]
 
 HOST = "cpu"  # where host-resident tensors of a meta step are booked
 
@@ -191,6 +191,14 @@ def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
     return kept
 
 
+def active_tracker() -> MemoryTracker | None:
+    """The innermost active tracker, if any."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, MemoryTracker):
+            return mode
+    return None
+
+
 def replaying_tracker() -> MemoryTracker | None:
     """The innermost active tracker that replays repeats (``replays=True``), if any."""
     for mode in reversed(_get_current_dispatch_mode_stack()):
@@ -251,6 +259,9 @@ class MemoryTracker(TorchDispatchMode):
         self.saved_records: list[StorageRecord] | None = None
         self.forward_end_event = 0
         self._peak_records: list[StorageRecord] = []
+        # (name, part, first timeline event, one past the last, live bytes at the start)
+        # of each stretch of work named with window()
+        self._windows: list[tuple[str, str, int, int, int]] = []
         self._time_ops = time_ops
         self._sync = self.device.startswith("cuda")
         self._meta = self.device == "meta"
@@ -330,6 +341,35 @@ class MemoryTracker(TorchDispatchMode):
             names.append(records[node].name)
             node = records[node].parent
         return tuple(names)
+
+    def module_now(self) -> str | None:
+        """The qualified name of the innermost module running now (None: outside every
+        module, or no model is recorded)."""
+        node = self.invocations.current() if self.invocations is not None else None
+        return None if node is None else self._names(node)[0]
+
+    @contextlib.contextmanager
+    def window(self, name: str, part: str) -> Iterator[None]:
+        """Name a stretch of work, ``part`` of ``name``: :meth:`window_peaks` reports the
+        most live bytes while it ran (a tiled run's passes, which no module invocation
+        covers whole: its tiles' backward runs outside every module)."""
+        start, live = len(self.timeline), self.live()
+        try:
+            yield
+        finally:
+            self._windows.append((name, part, start, len(self.timeline), live))
+
+    def window_peaks(self) -> dict[str, dict[str, int]]:
+        """Per name and part given to :meth:`window`, the most live bytes on the device
+        while its stretches ran (each op's live bytes before and after it; a booked
+        repeat's high-water mark)."""
+        out: dict[str, dict[str, int]] = {}
+        for name, part, start, end, live in self._windows:
+            top = max((max(e.live_before, e.live_after) for e in self.timeline[start:end]),
+                      default=live)
+            parts = out.setdefault(name, {})
+            parts[part] = max(parts.get(part, 0), live, top)
+        return out
 
     # -- repeats (NOTE [ Repeats on meta ]) -------------------------------------------
     def begin_repeat(self) -> _Recording:

@@ -21,8 +21,9 @@ NOTE [ The budget is a promise ]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 from remat3d.decisions import SELECTIVE_POLICY, Decision
@@ -64,6 +65,8 @@ class Measured(NamedTuple):
     flops: int        # every FLOP of the planned step (recomputation, tile passes, halos)
     host_bytes: int   # host memory of host-resident tiled outputs
     peak_module: str | None = None  # the innermost module running at the peak
+    # per tiled region's label and part of its run, the most bytes live while it ran
+    tiled_peaks: Mapping[str, Mapping[str, int]] = MappingProxyType({})
 
 
 Verifier = Callable[[Plan], Measured]
@@ -150,6 +153,7 @@ class _Search:
         candidate.verified_peak_bytes, candidate.recompute_flops = m.peak_bytes, m.recompute_flops
         candidate.verified_host_bytes = m.host_bytes or None
         candidate.verified_peak_module = m.peak_module
+        candidate.verified_tiled_peaks = {k: dict(v) for k, v in m.tiled_peaks.items()}
         candidate.extra_flops = m.flops - self.p.step_flops
         candidate.step_flops = self.p.step_flops
         return candidate

@@ -63,7 +63,7 @@ def at_least_as_frugal(a: Layout, b: Layout) -> bool:
     or, where ``b`` stores it on the device, in host memory. (Not fused: a fused output
     is recomputed inside its readers' tiles, which hold more at a time; at small volumes
     that peak is the higher one.)"""
-    if a.tiled.keys() != b.tiled.keys() or a.fine != b.fine:
+    if a.tiled.keys() != b.tiled.keys() or (a.fine != b.fine and "all" in (a.fuse, b.fuse)):
         return False
     for s, (size, out) in a.tiled.items():
         size_b, out_b = b.tiled[s]
@@ -71,6 +71,17 @@ def at_least_as_frugal(a: Layout, b: Layout) -> bool:
                 out == out_b or (out == TiledOutput.HOST and out_b == TiledOutput.DEVICE)):
             return False
     return True
+
+
+def _room(plan: Plan, budget: int, during: str | None = None,
+          parts: tuple[str, ...] = ("sums", "final")) -> int:
+    """The room ``budget`` leaves above ``plan``'s verified peak; ``during`` (a tiled
+    region's label): above the most its run held while those ``parts`` of it ran
+    (``verified_tiled_peaks``: what only that run holds, its working set or its stashes,
+    is bounded by this room, not by the step's peak elsewhere)."""
+    held = plan.verified_tiled_peaks.get(during, {}) if during is not None else {}
+    peaks = [held[p] for p in parts if p in held]
+    return budget - (max(peaks) if peaks else (plan.verified_peak_bytes or 0))
 
 
 def _stored(layout: Layout) -> int:
@@ -83,9 +94,9 @@ def _key(layout: Layout) -> tuple:
 
 
 def _group(layout: Layout) -> tuple[bool, bool, int]:
-    """Rule 5's groups in their order: levels without full fusion, then with it; the
-    fine sweep's after the coarse one's."""
-    return layout.fine, layout.fuse == "all", layout.depth
+    """Rule 5's groups in their order: levels without full fusion, the fine sweep's after
+    the coarse one's; then with it, likewise."""
+    return layout.fuse == "all", layout.fine, layout.depth
 
 
 def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
@@ -170,22 +181,42 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         chosen = verify(layout)
         if extend is not None:
             pending.extend(f for f in failed[had:] if not f.added)
+            pending.sort(key=_group)  # (stable) repairs go by their group
         return chosen
+
+    def most_frugal(layout: Layout, same_sweep: bool = False) -> Layout:
+        """The layout of ``layout``'s stages with the smallest tiles and the most in host
+        memory (it fits, or none it dominates does)."""
+        j = min((j for j, other in enumerate(ordered) if at_least_as_frugal(other, layout)
+                 and not (same_sweep and other.fine != layout.fine)),
+                key=lambda j: (_stored(ordered[j]), ordered[j].tile, j))
+        return ordered[j]
+
+    def inherit(layout: Layout) -> None:
+        """A layout passed over for a failure of the other sweep's tiles is repaired as
+        the failure of its own sweep it stands for (rule 7, from that failure's peak)."""
+        if extend is None or layout.added or _key(layout) in over:
+            return
+        failure = next((f for f in failed if at_least_as_frugal(f, layout)), None)
+        if failure is None or failure.fine == layout.fine or \
+                most_frugal(layout, same_sweep=True) is not layout:
+            return
+        over[_key(layout)] = over[_key(failure)]
+        pending.append(layout)
+        pending.sort(key=_group)
 
     for layout in ordered:
         repaired = repair(_group(layout))
         if repaired is not None:
             return repaired, smallest
         if passed_over(layout):
+            inherit(layout)
             continue
-        # the most frugal layout of the same stages, the smallest tiles and the most in
-        # host memory (it fits, or none it dominates does)
-        frugal = min((j for j, other in enumerate(ordered)
-                      if at_least_as_frugal(other, layout)),
-                     key=lambda j: (_stored(ordered[j]), ordered[j].tile, j))
-        if ordered[frugal] is not layout:
-            tried(ordered[frugal])
+        frugal = most_frugal(layout)
+        if frugal is not layout:
+            tried(frugal)
             if passed_over(layout):
+                inherit(layout)
                 continue
         chosen = tried(layout)
         if chosen is not None:
@@ -255,8 +286,8 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     that output whole on the device. A stage that may not be recomputed
     (``recomputable``, as in ``layout_regions``) is kept whole instead. A trial is
     verified only when the stage's recomputation working set above its input (the stage
-    model's; all it saves, when kept) fits the room the budget has left above the
-    verified peak."""
+    model's) fits the room the budget has left above what its tiled run held (``_room``;
+    all it saves, when kept whole: above the verified peak)."""
     tiled = [(r, st) for r, st in staged_regions(best, stages) if r.decision == Decision.TILE]
     deferred = {st.index for r, st in tiled if r.fuse or r.host}
     reading = {s for d in deferred for s in readers[d] if s is not None}
@@ -272,7 +303,7 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         recompute = recomputable is None or recomputable[st.index]
         added = st.held_in_backward(RECOMPUTE) - st.input_bytes if recompute else \
             st.saved_bytes
-        if added > budget - (current.verified_peak_bytes or 0):
+        if added > _room(current, budget, region.label if recompute else None):
             log.info("%s: its working set run whole (%s) does not fit the room left",
                      region.label, format_bytes(added))
             return
@@ -295,9 +326,12 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     [ Tiling layouts ] rule 10), the most passes saved first (the forward FLOPs of each
     stage of the run, its own and the fused producers' it computes, times its
     normalisations; ``norms`` per stage index, ``tiling.stage_norms``), none that would
-    save under 1 % of the step's FLOPs. A trial is verified only when the run's
-    normalisation inputs, all of them whole at once (by the stage model's output bytes of
-    each stage), fit the room the budget has left above the verified peak."""
+    save under 1 % of the step's FLOPs. A trial is verified only when, by the stage
+    model's output bytes of the run's stages, its largest normalisation input fits the
+    room the budget has left above what the run's forward passes held, and all but that
+    one the room above what its backward's sums passes held (``_room``: a stash lives
+    only while its run's passes do; each is whole in forward, all but the last
+    normalisation's at the end of the first sums pass)."""
     staged = staged_regions(best, stages)
     fused = {st.index for r, st in staged if r.decision == Decision.TILE and r.fuse}
 
@@ -319,14 +353,18 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         run = run_of(st)
         saves = sum(s.fwd_flops * norms[s.index] for s in run)
         if saves >= floor:
-            steps.append((r, sum(s.output_bytes * norms[s.index] for s in run), saves))
+            inputs = [s.output_bytes for s in run for _ in range(norms[s.index])]
+            steps.append((r, inputs, saves))
     steps.sort(key=lambda step: -step[2])
 
-    def trials(step: tuple[Region, int, float], current: Plan) -> Iterator[Plan]:
-        region, added, _ = step
-        if added > budget - (current.verified_peak_bytes or 0):
-            log.info("%s: its normalisation inputs (%s) do not fit the room left; not "
-                     "stashed", region.label, format_bytes(added))
+    def trials(step: tuple[Region, list[int], float], current: Plan) -> Iterator[Plan]:
+        region, inputs, _ = step
+        # each stash is whole in forward; all but one at the end of the first sums pass
+        forward, sums = max(inputs), sum(inputs) - max(inputs)
+        if forward > _room(current, budget, region.label, ("forward",)) or \
+                sums > _room(current, budget, region.label, ("sums",)):
+            log.info("%s: its normalisation inputs (%s) do not fit the room its passes "
+                     "left; not stashed", region.label, format_bytes(sum(inputs)))
             return
         log.info("trying %s with its normalisation inputs stashed on the device",
                  region.label)

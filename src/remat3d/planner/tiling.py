@@ -13,9 +13,12 @@ NOTE [ Tiling layouts ]
      is the full-resolution tile scaled to the stage's output (a stage whose output is at
      half resolution gets half the edge), so the runs of one layout cut the volume alike.
   3. ``fuse`` (NOTE [ Fused tiled regions ]): ``"none"`` stores every tiled output;
-     ``"chain"`` fuses a tiled stage whose output has exactly one reader, itself tiled (a
-     decoder stage and its 1x1 head become one run: no full-resolution output and no
-     gradient of it); ``"all"`` fuses every tiled stage whose readers are all tiled (a
+     ``"chain"`` fuses a tiled stage whose output has exactly one reader, itself tiled and
+     without normalisations (a decoder stage and its 1x1 head become one run: no
+     full-resolution output and no gradient of it, and no pass more: a stage fused into
+     a reader with normalisations would run again in each of their passes; nnU-Net v2's
+     half-resolution decoder stage fused into the top one cost 3.3x the step's FLOPs
+     where storing its 2 GiB output costs 2.3x); ``"all"`` fuses every tiled stage whose readers are all tiled (a
      skip connection read by an encoder run and a decoder run is recomputed in both: the
      least device memory without host memory, the most FLOPs). Only when offload is
      allowed: ``"host"`` keeps the output of every tiled stage whose readers are all
@@ -29,7 +32,7 @@ NOTE [ Tiling layouts ]
      (``planner/tiled_plans.py``, ``prune_tiled``). So a tiled plan mixes tile / recompute / keep.
   5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
      ``host``, ``chain``, ``chain+host``; then ``all`` level by level; within each, larger
-     tiles first. Full fusion comes last because it recomputes a stage with
+     tiles first; the fine sweep (below) after the coarse one, in each of the two parts. Full fusion comes last because it recomputes a stage with
      normalisations in every reader's run (each normalisation costs a pass over the run:
      nnU-Net at 512³, ``all`` at one level costs 3.5x the FLOPs, two levels of ``none``
      2.5x); ``host`` copies instead of recomputing, ``chain`` fuses into a single reader
@@ -37,12 +40,14 @@ NOTE [ Tiling layouts ]
      a run costs extra passes over the run and fusion
      puts more normalisations in a run; smaller tiles add halo overlap. The order is a
      heuristic; the memory of each layout is measured, never guessed. The default tiles
-     are a half and a quarter of the volume's shortest edge; after every layout with
-     them, the same order again with an eighth (the *fine* sweep, its repairs after the
-     coarse ones'): where whole tensors dominate the peak a smaller tile lowers it
-     little and costs more halo, so it is for the budgets the larger tiles cannot reach
-     (ResEnc-L at 512³ bf16 without host memory: 8.41 GiB with 64³ tiles against 13.67
-     GiB at best with 128³).
+     are a half and a quarter of the volume's shortest edge; after the layouts without
+     full fusion with them, the same layouts with an eighth (the *fine* sweep, its
+     repairs after the coarse ones'), and likewise for full fusion: where whole tensors
+     dominate the peak a smaller tile lowers it little and costs more halo, so it is for
+     the budgets the larger tiles cannot reach (ResEnc-L at 512³ bf16 without host
+     memory: 8.41 GiB with 64³ tiles against 13.67 GiB at best with 128³); but a full
+     fusion costs more than halos (nnU-Net v2 at 512³ bf16, 26 GiB without host memory:
+     the skip stored, 64³ tiles, 2.3x the FLOPs; fused at 128³, 3.5x).
   6. Verifying a layout runs every tile of it on the meta device (tens of seconds at 64
      tiles), so layouts are passed over by dominance: a layout that keeps on the device
      every output another layout of the same stages and tiles keeps there, where that
@@ -53,13 +58,16 @@ NOTE [ Tiling layouts ]
      unmeasured (``planner/tiled_plans.py``, ``first_fitting_layout``). So are larger
      tiles: the same stages with the same outputs in a larger tile hold the same whole
      tensors (inputs, outputs, their gradients, statistics, stashes) and a larger working
-     set per tile, so the layout with the smaller tiles (of the same sweep) and the most
-     in host memory is verified first, and when it does not fit, the larger tiles are
-     passed over (at 512³ with 24 GiB every half-edge layout is far above the budget:
-     ResEnc-L's five of them, 9 s of its search). Fusion is not ordered so: a fused
-     output is recomputed inside its readers' tiles, which then hold more at a time, and
-     at small volumes that peak is the higher one. The plan chosen is always one that
-     was measured.
+     set per tile, so the layout with the smallest tiles and the most in host memory is
+     verified first, and when it does not fit, the larger tiles are passed over (at 512³
+     with 24 GiB every half-edge layout is far above the budget: ResEnc-L's five of
+     them, 9 s of its search). Across sweeps too, but not for full fusion (an eighth of
+     the edge in runs with four or five normalisations takes up to a minute to measure
+     at 512³). A coarse layout passed over for a fine one's miss is repaired (rule 7)
+     from that miss's peak, in its own group. Fusion is not ordered so: a fused output is
+     recomputed inside its readers' tiles, which then hold more at a time, and at small
+     volumes that peak is the higher one. The plan chosen is always one that was
+     measured.
   7. Repair: a layout verified above the budget with its peak inside a stage it does not
      tile (the verifier names the module running at the peak) is tried again with that
      stage tiled too, by rules 2 and 3 (``extend_layout``): a level-0 layout whose peak
@@ -84,7 +92,8 @@ NOTE [ Tiling layouts ]
      with k normalisations runs k + 1 passes forward and k + 1 recomputations backward;
      NOTE [ Tiled backward ]), none saving under 1 % of the step's FLOPs; a trial is
      verified only when the stage's recomputation working set by the stage model fits
-     the room left (``untile_where_room``). A stage reading a fused or host-resident
+     the room the budget leaves above what its tiled run held in backward
+     (``untile_where_room``). A stage reading a fused or host-resident
      output stays tiled: run whole it would make that output whole on the device. The
      layouts tile every stage of a level alike (rule 2); this keeps tiled only the ones
      the budget needs.
@@ -95,8 +104,11 @@ NOTE [ Tiling layouts ]
      offload allowed, every layout's runs with normalisations stash in host memory (the
      device holds only the tiles' slices, as it does for host-resident outputs); without,
      after rule 9, each run stashes on the device where the verified peak still fits and
-     the extra FLOPs fall, the most passes saved first, a trial verified only when all its
-     normalisation inputs whole fit the room left (``stash_where_room``). nnU-Net v2 at
+     the extra FLOPs fall, the most passes saved first, a trial verified only when its
+     normalisation inputs fit the room the budget leaves above what that run held while
+     its passes ran (``Plan.verified_tiled_peaks``: the largest above its forward
+     passes, all but it above its backward's sums passes; the step's peak may lie
+     elsewhere, in a pass that holds no stash) (``stash_where_room``). nnU-Net v2 at
      512³ bf16, 24 GiB with offload: 2.39x the unplanned FLOPs without stashes, 1.82x with.
 """
 
@@ -201,6 +213,7 @@ class _Facts:
     readers: list[set[int | None]]
     full: list[tuple[int, int, int] | None]
     top_edges: tuple[int, int, int]
+    norms: list[int]
 
     def tiled(self, chosen: list[int], fuse: str, t: int
               ) -> dict[int, tuple[tuple[int, int, int], str]]:
@@ -214,7 +227,9 @@ class _Facts:
             rd = self.readers[s]
             inner = bool(rd) and None not in rd and all(r in chosen for r in rd)
             output = TiledOutput.DEVICE
-            chain = fuse.startswith("chain") and len(rd) == 1
+            # rule 3: into its one reader, where that run gains no normalisation pass
+            chain = fuse.startswith("chain") and len(rd) == 1 and all(
+                r is not None and self.norms[r] == 0 for r in rd)
             if inner and (fuse == "all" or chain):
                 output = TiledOutput.FUSED
             elif inner and fuse.endswith("host"):
@@ -230,7 +245,8 @@ def _facts(graph: CostGraph, model: StageModel) -> _Facts | None:
                     key=lambda e: e[0] * e[1] * e[2], default=None)
     if top_edges is None:
         return None
-    return _Facts(levels, stage_readers(graph, model), full, top_edges)
+    return _Facts(levels, stage_readers(graph, model), full, top_edges,
+                  stage_norms(graph, model))
 
 
 def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
@@ -256,11 +272,11 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
         sweeps = [(coarse, False), (fine, True)]
     out: list[Layout] = []
     seen: set[tuple] = set()
-    # rule 5: level by level without full fusion, then full fusion level by level
-    order = [(depth, fuse) for depth in range(1, max_depth + 1)
-             for fuse in FUSE_MODES if fuse != "all"]
-    order += [(depth, "all") for depth in range(1, max_depth + 1)]
-    for sizes, fine_ in sweeps:
+    # rule 5: level by level without full fusion, every sweep; then full fusion
+    partial = [(depth, fuse) for depth in range(1, max_depth + 1)
+               for fuse in FUSE_MODES if fuse != "all"]
+    full = [(depth, "all") for depth in range(1, max_depth + 1)]
+    for (sizes, fine_), order in [(sweep, o) for o in (partial, full) for sweep in sweeps]:
         for depth, fuse in order:
             chosen = [s for s, lv in enumerate(facts.levels)
                       if lv is not None and lv < depth and tileable[s]

@@ -391,6 +391,7 @@ class _PlannedForward:
         from remat3d.instrument.step import model_device
         from remat3d.runtime.tiling import tile  # here: nn imports runtime modules
         from remat3d.runtime.tiling.fused import defer, fold
+        from remat3d.runtime.tiling.tiled import labelled
 
         if kwargs:
             raise PlanError(f"Plan region {region.label} is tiled, but its module was called "
@@ -408,8 +409,9 @@ class _PlannedForward:
                          stash=region.stash)
         # a region's outputs are its module's internals: its tiled readers share their
         # gradients (NOTE [ Shared input gradients ] rule 4)
-        return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
-                    share_grads=True)
+        with labelled(region.label):
+            return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
+                        share_grads=True)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

@@ -78,22 +78,25 @@ class Deferred(torch.Tensor):
             if self._host:
                 self._value = to_device(self.host_value(), self.device)
             else:
-                from remat3d.runtime.tiling.tiled import tile
+                from remat3d.runtime.tiling.tiled import labelled, tile
 
-                fn, inputs, size, _ = self._recipe
-                self._value = tile(fn, *inputs, tile=size, device=self.device,
-                                   stash=self._stash, share_grads=True)
+                fn, inputs, size, label = self._recipe
+                with labelled(label):
+                    self._value = tile(fn, *inputs, tile=size, device=self.device,
+                                       stash=self._stash, share_grads=True)
         return self._value
 
     def host_value(self) -> torch.Tensor:
         """A host region's output in host memory, computed tiled the first time (rule 5)."""
         assert self._host
         if self._host_value is None:
-            from remat3d.runtime.tiling.tiled import tile
+            from remat3d.runtime.tiling.tiled import labelled, tile
 
-            fn, inputs, size, _ = self._recipe
-            self._host_value = tile(fn, *inputs, tile=size, host=True, device=self.device,
-                                    stash=self._stash, share_grads=True)
+            fn, inputs, size, label = self._recipe
+            with labelled(label):
+                self._host_value = tile(fn, *inputs, tile=size, host=True,
+                                        device=self.device, stash=self._stash,
+                                        share_grads=True)
         return self._host_value
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]

@@ -84,6 +84,7 @@ NOTE [ Shared input gradients ]
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -93,7 +94,7 @@ from torch.autograd.function import once_differentiable
 
 from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
 from remat3d.instrument.state import is_recomputing, recomputing
-from remat3d.instrument.tracker import Repeat, replaying_tracker, shared_repeat
+from remat3d.instrument.tracker import Repeat, active_tracker, replaying_tracker, shared_repeat
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.replay import AmpState
 from remat3d.runtime.tiling.execute import (
@@ -119,7 +120,7 @@ from remat3d.runtime.tiling.host import (
 )
 from remat3d.runtime.tiling.trace import TilingError, Trace, trace
 
-__all__ = ["GradSlot", "TileSize", "TiledRun", "tile"]
+__all__ = ["GradSlot", "TileSize", "TiledRun", "labelled", "tile"]
 
 TileSize = int | Sequence[int]
 STASHES = ("device", "host")  # where NOTE [ Stashed passes ] may keep normalisation inputs
@@ -182,6 +183,11 @@ class TiledRun:
         self.device = device if device is not None else compute_device(fn, inputs)
         self.host_inputs = [is_host(x, self.device) for x in inputs]
         self.host_outputs = host_outputs
+        # on a tracked step, the run's passes are booked under its plan region's label,
+        # else the module running it (MemoryTracker.window: the planner reads what each
+        # run held, Plan.verified_tiled_peaks)
+        tracker = active_tracker()
+        self.name = _LABEL.get() or (tracker.module_now() if tracker is not None else None)
         with recomputing():
             self.trace: Trace = trace(fn, inputs, self.device)
         self.tile = _tile_size(tile)
@@ -352,8 +358,19 @@ class TiledRun:
         return [crop(t, region_of(t), want) for t, want in zip(ys, self.out_owned[k])], \
             local, mode
 
+    def _window(self, part: str) -> contextlib.AbstractContextManager[None]:
+        """Books this part of the run (its forward passes, its backward's sums passes, its
+        final backward pass) under the run's name on a tracked step."""
+        tracker = active_tracker() if self.name is not None else None
+        return contextlib.nullcontext() if tracker is None else \
+            tracker.window(self.name, part)
+
     # -- forward (NOTE rule 1) ----------------------------------------------------------
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with self._window("forward"):
+            return self._forward(inputs)
+
+    def _forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         tr = self.trace
         for stats in self.stats:
             stats.reset()
@@ -438,26 +455,27 @@ class TiledRun:
             [(last, set(), [i for i in self.stash_nodes if i < n - 1])]
             + [(last, {self.stash_nodes[i] for i in self.stash_nodes if i <= j}, [])
                for j in order[1:]])
-        for j, stashing in zip(order, self._passes(schedule)):
-            stats = self.stats[j]
-            sum_g: torch.Tensor | None = None
-            sum_gx: torch.Tensor | None = None
-            repeats = _Repeats(self, ("sums", j, *given))
-            for k in range(len(self.tiles)):
-                if repeats.replayed(k):
-                    continue
-                with repeats.recording(k):
-                    sums = self._norm_sums_tile(k, j, inputs, dys, needs, stashing)
-                    if sums is not None:
-                        sum_g = sums[0] if sum_g is None else sum_g + sums[0]
-                        sum_gx = sums[1] if sum_gx is None else sum_gx + sums[1]
-                    del sums  # a tile leaves nothing alive but what it adds to
-            del stashing
-            if sum_g is None or sum_gx is None:
-                zero = torch.zeros((), dtype=torch.float64, device=self.device)
-                stats.sums = (zero, zero)
-            else:
-                stats.sums = (sum_g, sum_gx)
+        with self._window("sums"):
+            for j, stashing in zip(order, self._passes(schedule)):
+                stats = self.stats[j]
+                sum_g: torch.Tensor | None = None
+                sum_gx: torch.Tensor | None = None
+                repeats = _Repeats(self, ("sums", j, *given))
+                for k in range(len(self.tiles)):
+                    if repeats.replayed(k):
+                        continue
+                    with repeats.recording(k):
+                        sums = self._norm_sums_tile(k, j, inputs, dys, needs, stashing)
+                        if sums is not None:
+                            sum_g = sums[0] if sum_g is None else sum_g + sums[0]
+                            sum_gx = sums[1] if sum_gx is None else sum_gx + sums[1]
+                        del sums  # a tile leaves nothing alive but what it adds to
+                del stashing
+                if sum_g is None or sum_gx is None:
+                    zero = torch.zeros((), dtype=torch.float64, device=self.device)
+                    stats.sums = (zero, zero)
+                else:
+                    stats.sums = (sum_g, sum_gx)
         slots = list(slots) or [None] * len(inputs)
 
         def zeros(x: torch.Tensor, host: bool) -> torch.Tensor:
@@ -469,11 +487,12 @@ class TiledRun:
             for x, need, host, slot in zip(inputs, needs, self.host_inputs, slots)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
         repeats = _Repeats(self, ("final", *given))
-        for k in range(len(self.tiles)):
-            if repeats.replayed(k):
-                continue
-            with repeats.recording(k):
-                self._backward_tile(k, inputs, dys, needs, params, dx, dparams)
+        with self._window("final"):
+            for k in range(len(self.tiles)):
+                if repeats.replayed(k):
+                    continue
+                with repeats.recording(k):
+                    self._backward_tile(k, inputs, dys, needs, params, dx, dparams)
         dx = [None if slot is not None else g for g, slot in zip(dx, slots)]
         return dx, [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
 
@@ -593,6 +612,21 @@ def _restoring_buffers() -> Iterator[None]:
     modules = ModuleStack()
     with modules, BufferGuard(modules):
         yield
+
+
+_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat3d_run_label",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def labelled(label: str) -> Iterator[None]:
+    """The tiled runs made inside are booked under ``label`` on a tracked step (a plan
+    region's: ``runtime/apply.py``, ``fused.py``)."""
+    token = _LABEL.set(label)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
 
 
 class _TiledFunction(torch.autograd.Function):
