@@ -64,6 +64,9 @@ class Region:
             that each pass starts from the last one instead of recomputing from the
             region's inputs (NOTE [ Stashed passes ] in ``runtime/tiling/tiled.py``):
             fewer FLOPs for more memory. ``None``: every pass starts from the inputs.
+        stash_norms: with ``stash``, which normalisations keep their inputs, by their
+            order in the region's run (0 the first; a fused producer's come first);
+            ``None``: every one that may.
     """
 
     module: str
@@ -76,6 +79,7 @@ class Region:
     fuse: bool = False
     host: bool = False
     stash: str | None = None
+    stash_norms: list[int] | None = None
 
     @property
     def label(self) -> str:
@@ -122,6 +126,12 @@ class Region:
             raise PlanError(f"Region {self.label}: stash is 'device' or 'host' and applies "
                             f"to tiled regions only; got stash {self.stash!r}, decision "
                             f"{self.decision!r}.")
+        if self.stash_norms is not None and (
+                self.stash is None or any(not isinstance(j, int) or j < 0
+                                          for j in self.stash_norms)):
+            raise PlanError(f"Region {self.label}: stash_norms lists normalisations by their "
+                            f"order in the run (non-negative ints) and needs a stash; got "
+                            f"stash_norms {self.stash_norms!r}, stash {self.stash!r}.")
         if self.decision == Decision.TILE and (self.policy is not None or self.storage_dtype):
             raise PlanError(f"Region {self.label}: a tiled region takes no op policy or "
                             "storage dtype (it keeps only its inputs).")
@@ -291,6 +301,8 @@ class Plan:
                 extra += " output on host"
             if region.stash:
                 extra += f" stash on {region.stash}"
+            if region.stash_norms is not None:
+                extra += " (normalisations " + ", ".join(map(str, region.stash_norms)) + ")"
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
         named = {r.module for r in self.regions}
         for parent, spans in self.spans.items():  # the spans regions name (runtime/spans.py)

@@ -627,3 +627,36 @@ def test_runs_stash_on_the_device_where_room_allows_most_passes_first(graph_and_
     verified.clear()
     assert stash_where_room(hosted, 10**12, stages, check, norms, readers) is hosted
     assert verified == []
+
+
+def test_a_run_whose_stashes_do_not_all_fit_stashes_one(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """Rule 10: where a run's normalisation inputs do not all fit the room its passes
+    left, the one that saves the most and fits is stashed alone (``stash_norms``): the
+    last normalisation's input is whole in forward only, an earlier one's in the
+    backward's sums passes too."""
+    from remat3d.planner.tiled_plans import layout_regions, stash_where_room
+    from remat3d.planner.tiling import stage_norms
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    norms, readers = stage_norms(graph, stages), stage_readers(graph, stages)
+    lay = next(lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+               if lay.depth == 1 and lay.fuse == "all")
+    # the head's run computes the fused stem (an InstanceNorm) and up (an InstanceNorm)
+    size = stages.stages[names.index("stem")].output_bytes
+    big = 10**9
+    start = Plan(regions=layout_regions(stages, lay), verified_peak_bytes=big,
+                 extra_flops=1000, step_flops=1, verified_tiled_peaks={
+                     "head#0": {"forward": big - size, "sums": big - size // 2},
+                     "down#0": {"forward": big, "sums": big}})
+    verified: list[tuple[str, list[int] | None]] = []
+
+    def check(plan: Plan) -> Plan:
+        verified.extend((r.module, r.stash_norms) for r in plan.regions if r.stash)
+        plan.verified_peak_bytes, plan.extra_flops = big, 900
+        return plan
+
+    chosen = stash_where_room(start, big, stages, check, norms, readers)
+    assert verified == [("head", [1])]
+    head = next(r for r in chosen.regions if r.module == "head")
+    assert (head.stash, head.stash_norms) == ("device", [1])

@@ -64,10 +64,12 @@ def _block(norm: str, act: str) -> nn.Sequential:
 
 
 def _tiled_step(block: nn.Module, x: torch.Tensor, tile_size: object,
-                stash: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                stash: str | None = None, stash_norms: list[int] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One step, untiled (``tile_size`` None) or tiled (with ``stash``: test_stash.py)."""
     xi = x.clone().requires_grad_(True)
-    out = block(xi) if tile_size is None else tile(block, xi, tile=tile_size, stash=stash)
+    out = block(xi) if tile_size is None else tile(block, xi, tile=tile_size, stash=stash,
+                                                   stash_norms=stash_norms)
     seed = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
     (out * seed).sum().backward()
     values = {n: p.grad.clone() for n, p in block.named_parameters()}

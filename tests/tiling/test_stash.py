@@ -158,3 +158,58 @@ def test_stash_needs_a_tiled_region_and_round_trips(tmp_path) -> None:  # type: 
     plan.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json").regions[0].stash == "host"
     assert "stash on host" in plan.summary()
+
+
+def test_a_partial_stash_keeps_only_the_normalisations_asked_for() -> None:
+    """``stash_norms``: only those normalisations' inputs are stashed (the others'
+    passes recompute from the run's inputs); exact as every stash is, and its forward
+    runs between no stash and the full one."""
+    torch.manual_seed(0)
+    block = _Residual().double()
+    x = torch.randn(1, 3, 9, 11, 10, dtype=torch.float64)
+    assert sorted(TiledRun(block, [x], 4, stash="device", stash_norms=[1]).stash_nodes) == [1]
+    # norm3's input is written in place: asked for, still not stashed (rule 3)
+    assert sorted(TiledRun(block, [x], 4, stash="device", stash_norms=[0, 2]).stash_nodes) \
+        == [0]
+    reference = _tiled_step(copy.deepcopy(block), x, None)
+    for norms in ([0], [1], [1, 0]):
+        got = _tiled_step(copy.deepcopy(block), x, 4, "device", stash_norms=norms)
+        assert_same_step(reference, got, TOL64)
+    counts = {}
+    for norms in (None, [1], "all"):
+        counter = _ConvFlops()
+        with counter, torch.no_grad():
+            if norms is None:
+                tile(block, x, tile=11)
+            else:
+                tile(block, x, tile=11, stash="device",
+                     stash_norms=None if norms == "all" else norms)
+        counts[str(norms)] = counter.forward
+    assert counts["None"] > counts["[1]"] > counts["all"]
+    with pytest.raises(TilingError, match="stash_norms"):
+        TiledRun(block, [x], 4, stash="device", stash_norms=[3])
+    with pytest.raises(TilingError, match="stash_norms"):
+        tile(block, x, tile=4, stash_norms=[0])
+
+
+def test_stash_norms_needs_a_stash_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanError, match="stash_norms"):
+        Plan(regions=[Region("stem", decision="tile", tile=[4], stash_norms=[0])])
+    with pytest.raises(PlanError, match="stash_norms"):
+        Plan(regions=[Region("stem", decision="tile", tile=[4], stash="device",
+                             stash_norms=[-1])])
+    plan = Plan(regions=[Region("stem", decision="tile", tile=[4], stash="device",
+                                stash_norms=[2])])
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json").regions[0].stash_norms == [2]
+    assert "stash on device (normalisations 2)" in plan.summary()
+
+
+def test_a_partially_stashed_plan_region_is_exact() -> None:
+    torch.manual_seed(0)
+    net = TinyUNet().double()
+    regions = [dataclasses.replace(r, stash="device", stash_norms=[1]) if r.module == "head"
+               else r for r in FUSED]
+    tiled = remat3d.apply(copy.deepcopy(net), Plan(regions=regions))
+    x = torch.randn(1, 1, 16, 14, 12, dtype=torch.float64)
+    assert_same_step(_step(net, x), _step(tiled, x), 1e-12)

@@ -3,6 +3,7 @@
 ``remat3d bench tiling [--exactness] [--size 512] [--tile 128]``
 ``remat3d bench tiling --layouts [--host] [--size 512]``
 ``remat3d bench tiling --stored-skip [--size 512]``
+``remat3d bench tiling --budgets 24,26,28 [--model nnunetv2] [--host] [--size 512]``
 
 - exactness: each of nnunet, unet, basicunet, segresnet, one fp32 CPU training step with
   the full-resolution stages tiled (``presets.full_resolution_plan``) against the same
@@ -15,7 +16,9 @@
 - stored skip: nnU-Net v2's PlainConvUNet at 512³ bf16 without host memory, its
   full-resolution skip stored on the device (read by two tiled runs that share its
   gradient, NOTE [ Shared input gradients ]) against recomputed in both readers: why a
-  24 GiB plan without offload recomputes the skip (docs/tiling.md).
+  24 GiB plan without offload recomputes the skip (docs/tiling.md);
+- budgets: ``remat3d.plan`` (``optimal``, bf16 autocast, meta) at each budget: the
+  verified peak and the FLOPs should not rise as the budget does.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["exactness_rows", "memory_rows", "nnunet_whole_volume_forward", "stored_skip_rows"]
+__all__ = ["budget_rows", "exactness_rows", "memory_rows", "nnunet_whole_volume_forward",
+           "stored_skip_rows"]
 
 GiB = 2**30
 
@@ -216,6 +220,34 @@ def stored_skip_rows(size: int = 512) -> list[dict[str, Any]]:
     return rows
 
 
+def budget_rows(model_name: str, budgets: Sequence[str], size: int = 512,
+                offload: bool = False) -> list[dict[str, Any]]:
+    """``remat3d.plan(model, 1x1x size³, budget, amp="bf16", offload=...)`` at each
+    budget: the verified peak and host memory, the FLOPs against the unplanned step's,
+    the tiled regions and the planning time."""
+    import remat3d
+    from remat3d import zoo
+
+    rows = []
+    for budget in budgets:
+        start = time.perf_counter()
+        plan = remat3d.plan(zoo.build_model(model_name, device="meta"),
+                            (1, 1, size, size, size), budget=budget, amp="bf16",
+                            offload=offload)
+        rows.append({"budget": budget, "peak_bytes": plan.verified_peak_bytes or 0,
+                     "host_bytes": plan.verified_host_bytes or 0,
+                     "flops": 1 + (plan.extra_flops or 0) / (plan.step_flops or 1),
+                     "tiled": ", ".join(
+                         f"{r.module} {'x'.join(map(str, r.tile or []))}"
+                         + (" fused" if r.fuse else " host" if r.host else "")
+                         + (f" stash {r.stash}" if r.stash else "")
+                         + (f" (norms {','.join(map(str, r.stash_norms))})"
+                            if r.stash_norms is not None else "")
+                         for r in plan.regions if r.decision == "tile"),
+                     "seconds": time.perf_counter() - start})
+    return rows
+
+
 EXACTNESS_CASES: list[tuple[str, int, Any]] = [
     ("nnunet", 64, 64), ("nnunet", 64, 24), ("nnunet", 64, (40, 64, 27)),
     ("unet", 32, 12), ("unet", 48, (20, 48, 17)),
@@ -316,6 +348,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stored-skip", action="store_true",
                         help="nnunetv2 without host memory: the full-resolution skip "
                              "stored (its readers sharing a gradient) or recomputed")
+    parser.add_argument("--budgets", default=None,
+                        help="comma-separated budgets (24,26,28): the plans of --model at "
+                             "each, with --host allowing host memory")
+    parser.add_argument("--model", default="nnunetv2", help="with --budgets: a zoo preset")
     parser.add_argument("--setups", default=";".join(SETUPS),
                         help="separated by ;, the first is the FLOP reference")
     args = parser.parse_args(argv)
@@ -331,6 +367,20 @@ def main(argv: list[str] | None = None) -> None:
                   f"{floor['output']:.1e} / {floor['grads']:.1e} | "
                   f"{f64['output']:.1e} / {f64['grads']:.1e} / {f64['buffers']:.1e} |",
                   flush=True)
+    if args.budgets:
+        budgets = [b if b.strip()[-1:].isalpha() else f"{b.strip()}GiB"
+                   for b in args.budgets.split(",")]
+        rows = budget_rows(args.model, budgets, args.size, offload=args.host)
+        print(f"\n{args.model} {args.size}³, bf16 autocast, meta, remat3d.plan optimal"
+              f"{', host memory allowed' if args.host else ', no host memory'}")
+        print("| budget | verified peak | host memory | FLOPs vs unplanned | tiled | "
+              "planning |")
+        print("|---|---:|---:|---:|---|---:|")
+        for r in rows:
+            print(f"| {r['budget']} | {r['peak_bytes'] / GiB:.2f} GiB | "
+                  f"{r['host_bytes'] / GiB:.2f} GiB | {r['flops']:.2f}x | {r['tiled']} | "
+                  f"{r['seconds']:.0f} s |", flush=True)
+        return
     if args.stored_skip:
         rows = stored_skip_rows(args.size)
         print(f"\nnnunetv2 {args.size}³, bf16 autocast, meta, no host memory")

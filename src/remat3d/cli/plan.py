@@ -87,7 +87,9 @@ def plan_command(
         if region.tile:
             detail = format_shape(region.tile) + (" fused" if region.fuse else "") \
                 + (" output on host" if region.host else "") \
-                + (f" stash on {region.stash}" if region.stash else "")
+                + (f" stash on {region.stash}" if region.stash else "") \
+                + (" (norms " + ",".join(map(str, region.stash_norms)) + ")"
+                   if region.stash_norms is not None else "")
         table.add_row(region.label, region.decision, detail)
     if result.graph_recompute is None:
         console.print(table)

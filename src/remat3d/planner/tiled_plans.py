@@ -350,33 +350,72 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     for r, st in staged:
         if r.decision != Decision.TILE or r.fuse or r.stash is not None:
             continue
-        run = run_of(st)
+        run = sorted(run_of(st), key=lambda s: s.index)  # producers run first
         saves = sum(s.fwd_flops * norms[s.index] for s in run)
         if saves >= floor:
-            inputs = [s.output_bytes for s in run for _ in range(norms[s.index])]
-            steps.append((r, inputs, saves))
+            steps.append((r, _norm_inputs(run, norms), saves))
     steps.sort(key=lambda step: -step[2])
 
-    def trials(step: tuple[Region, list[int], float], current: Plan) -> Iterator[Plan]:
+    def fits(region: Region, current: Plan, forward: int, sums: int) -> bool:
+        return forward <= _room(current, budget, region.label, ("forward",)) and \
+            sums <= _room(current, budget, region.label, ("sums",))
+
+    def trials(step: tuple[Region, list[tuple[int, float]], float], current: Plan
+               ) -> Iterator[Plan]:
         region, inputs, _ = step
+        sizes = [size for size, _ in inputs]
         # each stash is whole in forward; all but one at the end of the first sums pass
-        forward, sums = max(inputs), sum(inputs) - max(inputs)
-        if forward > _room(current, budget, region.label, ("forward",)) or \
-                sums > _room(current, budget, region.label, ("sums",)):
+        if fits(region, current, max(sizes), sum(sizes) - max(sizes)):
+            log.info("trying %s with its normalisation inputs stashed on the device",
+                     region.label)
+            yield check(_stashed(current, region))
+        else:
             log.info("%s: its normalisation inputs (%s) do not fit the room its passes "
-                     "left; not stashed", region.label, format_bytes(sum(inputs)))
-            return
-        log.info("trying %s with its normalisation inputs stashed on the device",
-                 region.label)
-        regions = [dataclasses.replace(r, stash="device") if _same(r, region) else r
-                   for r in current.regions]
-        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
+                     "left; trying one", region.label, format_bytes(sum(sizes)))
+        # one normalisation's input: the passes after it start there (forward), and the
+        # backward's sums passes from it on; the two that save the most and fit
+        k = len(inputs)
+        one = sorted(range(k), key=lambda j: -inputs[j][1] * (2 * k - 2 * j - 1
+                                                             if j < k - 1 else 1))
+        tried = 0
+        for j in one:
+            size = inputs[j][0]
+            if k < 2 or tried == _SINGLE_STASHES or \
+                    not fits(region, current, size, size if j < k - 1 else 0):
+                continue
+            tried += 1
+            log.info("trying %s with normalisation %d's input stashed on the device",
+                     region.label, j)
+            yield check(_stashed(current, region, [j]))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         return (candidate.verified_peak_bytes or 0) <= budget and \
             extra_cost(candidate) < extra_cost(current)
 
     return greedy_prune(best, steps, trials, cheaper)
+
+
+_SINGLE_STASHES = 2  # rule 10: single-normalisation stashes tried per run, at most
+
+
+def _norm_inputs(run: list[Stage], norms: list[int]) -> list[tuple[int, float]]:
+    """A tiled run's normalisations in order (its stages in order, each's evenly after
+    its share of the stage's convolutions): each's input bytes (the stage's output
+    bytes) and the forward FLOPs of the run up to it (what a pass recomputes to reach
+    it)."""
+    out, before = [], 0.0
+    for st in run:
+        n = norms[st.index]
+        out += [(st.output_bytes, before + st.fwd_flops * (i + 1) / n) for i in range(n)]
+        before += st.fwd_flops
+    return out
+
+
+def _stashed(plan: Plan, region: Region, only: list[int] | None = None) -> Plan:
+    """``plan`` with ``region`` stashing on the device (``only`` those normalisations)."""
+    regions = [dataclasses.replace(r, stash="device", stash_norms=only) if _same(r, region)
+               else r for r in plan.regions]
+    return dataclasses.replace(plan, regions=regions, notes=list(plan.notes))
 
 
 def staged_regions(plan: Plan, stages: StageModel) -> list[tuple[Region, Stage]]:

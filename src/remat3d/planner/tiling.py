@@ -18,9 +18,10 @@ NOTE [ Tiling layouts ]
      full-resolution output and no gradient of it, and no pass more: a stage fused into
      a reader with normalisations would run again in each of their passes; nnU-Net v2's
      half-resolution decoder stage fused into the top one cost 3.3x the step's FLOPs
-     where storing its 2 GiB output costs 2.3x); ``"all"`` fuses every tiled stage whose readers are all tiled (a
-     skip connection read by an encoder run and a decoder run is recomputed in both: the
-     least device memory without host memory, the most FLOPs). Only when offload is
+     where storing its 2 GiB output costs 2.3x); ``"all"`` fuses every tiled stage
+     whose readers are all tiled (a skip connection read by an encoder run and a decoder
+     run is recomputed in both: the least device memory without host memory, the most
+     FLOPs). Only when offload is
      allowed: ``"host"`` keeps the output of every tiled stage whose readers are all
      tiled in host memory (NOTE [ Host-resident tiled outputs ]: the output and its
      gradient leave the device, nothing is recomputed, the price is copies);
@@ -29,16 +30,18 @@ NOTE [ Tiling layouts ]
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
      recomputed keeping its convolution outputs) while the verified peak still fits
-     (``planner/tiled_plans.py``, ``prune_tiled``). So a tiled plan mixes tile / recompute / keep.
+     (``planner/tiled_plans.py``, ``prune_tiled``). So a tiled plan mixes tile /
+     recompute / keep.
   5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
      ``host``, ``chain``, ``chain+host``; then ``all`` level by level; within each, larger
-     tiles first; the fine sweep (below) after the coarse one, in each of the two parts. Full fusion comes last because it recomputes a stage with
-     normalisations in every reader's run (each normalisation costs a pass over the run:
-     nnU-Net at 512³, ``all`` at one level costs 3.5x the FLOPs, two levels of ``none``
-     2.5x); ``host`` copies instead of recomputing, ``chain`` fuses into a single reader
-     (the cheapest fusion: a decoder stage into a 1x1 head adds nothing). Each normalisation inside
-     a run costs extra passes over the run and fusion
-     puts more normalisations in a run; smaller tiles add halo overlap. The order is a
+     tiles first; the fine sweep (below) after the coarse one, in each of the two parts.
+     Full fusion comes last because it recomputes a stage with normalisations in every
+     reader's run (each normalisation costs a pass over the run: nnU-Net at 512³, ``all``
+     at one level costs 3.5x the FLOPs, two levels of ``none`` 2.5x); ``host`` copies
+     instead of recomputing, ``chain`` fuses into a single reader (the cheapest fusion: a
+     decoder stage into a 1x1 head adds nothing). Each normalisation inside a run costs
+     extra passes over the run and fusion puts more normalisations in a run; smaller
+     tiles add halo overlap. The order is a
      heuristic; the memory of each layout is measured, never guessed. The default tiles
      are a half and a quarter of the volume's shortest edge; after the layouts without
      full fusion with them, the same layouts with an eighth (the *fine* sweep, its
@@ -108,8 +111,13 @@ NOTE [ Tiling layouts ]
      normalisation inputs fit the room the budget leaves above what that run held while
      its passes ran (``Plan.verified_tiled_peaks``: the largest above its forward
      passes, all but it above its backward's sums passes; the step's peak may lie
-     elsewhere, in a pass that holds no stash) (``stash_where_room``). nnU-Net v2 at
-     512³ bf16, 24 GiB with offload: 2.39x the unplanned FLOPs without stashes, 1.82x with.
+     elsewhere, in a pass that holds no stash) (``stash_where_room``). Where they do not
+     all fit, one normalisation's input alone (``Region.stash_norms``), the one that saves
+     the most by the stage model (its passes after it start there; of two tried at most)
+     and fits: the last one's is whole in forward only. nnU-Net v2 at 512³ bf16, 24 GiB
+     with offload: 2.39x the unplanned FLOPs without stashes, 1.82x with; without
+     offload, the top decoder run (the skip and the decoder stage fused into the head,
+     four 8 GiB normalisation inputs) stashing its third alone: 3.62x -> 2.99x.
 """
 
 from __future__ import annotations

@@ -406,12 +406,12 @@ class _PlannedForward:
         device = model_device(self.module)
         if region.fuse or region.host:
             return defer(fn, inputs, edge, region.label, host=region.host, device=device,
-                         stash=region.stash)
+                         stash=region.stash, stash_norms=region.stash_norms)
         # a region's outputs are its module's internals: its tiled readers share their
         # gradients (NOTE [ Shared input gradients ] rule 4)
         with labelled(region.label):
             return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
-                        share_grads=True)
+                        stash_norms=region.stash_norms, share_grads=True)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

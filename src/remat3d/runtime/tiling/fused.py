@@ -53,19 +53,20 @@ class Deferred(torch.Tensor):
     _value: torch.Tensor | None
     _host: bool
     _host_value: torch.Tensor | None
-    _stash: str | None
+    _stash: tuple[str | None, list[int] | None]  # (where, which normalisations)
 
     @staticmethod
     def __new__(cls, fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
                 shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                label: str = "", host: bool = False, stash: str | None = None) -> Deferred:
+                label: str = "", host: bool = False, stash: str | None = None,
+                stash_norms: list[int] | None = None) -> Deferred:
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype,  # type: ignore[attr-defined]
                                                 device=device)
         t._recipe = (fn, tuple(inputs), tile, label)
         t._value = None
         t._host = host
         t._host_value = None
-        t._stash = stash
+        t._stash = (stash, stash_norms)
         return t
 
     @property
@@ -83,7 +84,8 @@ class Deferred(torch.Tensor):
                 fn, inputs, size, label = self._recipe
                 with labelled(label):
                     self._value = tile(fn, *inputs, tile=size, device=self.device,
-                                       stash=self._stash, share_grads=True)
+                                       stash=self._stash[0], stash_norms=self._stash[1],
+                                       share_grads=True)
         return self._value
 
     def host_value(self) -> torch.Tensor:
@@ -95,7 +97,8 @@ class Deferred(torch.Tensor):
             fn, inputs, size, label = self._recipe
             with labelled(label):
                 self._host_value = tile(fn, *inputs, tile=size, host=True,
-                                        device=self.device, stash=self._stash,
+                                        device=self.device, stash=self._stash[0],
+                                        stash_norms=self._stash[1],
                                         share_grads=True)
         return self._host_value
 
@@ -203,9 +206,10 @@ def _pending(a: Any) -> bool:
 
 def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
           label: str = "", *, host: bool = False, device: torch.device | None = None,
-          stash: str | None = None) -> Deferred:
+          stash: str | None = None, stash_norms: list[int] | None = None) -> Deferred:
     """A :class:`Deferred` for ``fn(*inputs)`` run tiled with ``tile`` on ``device`` (with
-    its output in host memory: ``host``; ``stash`` as ``remat3d.tile`` takes it, when it
+    its output in host memory: ``host``; ``stash`` and ``stash_norms`` as
+    ``remat3d.tile`` takes them, when it
     runs by itself: folded into a reader's run, the reader's stash applies); its shape and
     dtype come from a trace on fake tensors (no memory, no compute)."""
     from remat3d.instrument.state import recomputing
@@ -219,4 +223,4 @@ def defer(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], tile: Any,
         raise TilingError(f"Tiled region {label or fn!r} returns several tensors; only a "
                           f"region with one output can be {what}. Set {fix}.")
     return Deferred(fn, inputs, tile, tr.out_shapes[0], tr.out_dtypes[0], device, label,
-                    host, stash)
+                    host, stash, stash_norms)

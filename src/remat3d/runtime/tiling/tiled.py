@@ -50,6 +50,10 @@ NOTE [ Stashed passes ]
      as without stashes. Values are those the owning tile computed: every position has one
      value in every pass (without stashes each tile recomputes its halo itself; the two
      agree up to rounding order, as tiles always do).
+  4. ``stash_norms``: only those normalisations (by their order in the run) are stashed;
+     the passes that would read another's start from the nearest stash before it, or
+     from the run's inputs. A run whose stashes do not all fit the memory left keeps the
+     one that saves the most (the planner: NOTE [ Tiling layouts ] rule 10).
   Cost: a stage of two convolutions and two normalisations runs 2 convolutions forward
   instead of 5, and 10 convolution-equivalents backward instead of 11; the price is the
   stashes' memory while its passes run.
@@ -174,12 +178,17 @@ class TiledRun:
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
                  tile: TileSize, *, device: torch.device | None = None,
-                 host_outputs: bool = False, stash: str | None = None) -> None:
+                 host_outputs: bool = False, stash: str | None = None,
+                 stash_norms: Sequence[int] | None = None) -> None:
         if stash is not None and stash not in STASHES:
             raise TilingError(f"stash must be one of {', '.join(STASHES)} or None; got "
                               f"{stash!r}.")
+        if stash_norms is not None and stash is None:
+            raise TilingError("stash_norms chooses which normalisations' inputs a stash "
+                              "keeps; give stash='device' or 'host' too.")
         self.fn = fn
         self.stash = stash
+        self.stash_norms = None if stash_norms is None else tuple(sorted(set(stash_norms)))
         self.device = device if device is not None else compute_device(fn, inputs)
         self.host_inputs = [is_host(x, self.device) for x in inputs]
         self.host_outputs = host_outputs
@@ -236,7 +245,8 @@ class TiledRun:
         if self._digest is None:
             tr = self.trace
             text = repr((
-                self.tile, self.stash, self.host_outputs, self.host_inputs, self.device.type,
+                self.tile, self.stash, self.stash_norms, self.host_outputs, self.host_inputs,
+                self.device.type,
                 tr.ops, tr.inputs, tr.outputs, sorted(tr.sizes.items()), tr.out_shapes,
                 tr.out_dtypes, tr.norms, sorted(tr.leading.items()),
                 sorted(tr.dtypes.items()), tr.returns_tuple,
@@ -246,14 +256,21 @@ class TiledRun:
 
     # -- stashes (NOTE [ Stashed passes ]) ---------------------------------------------
     def _stash_nodes(self) -> dict[int, int]:
-        """Normalisation ordinal -> the node of its input, where it may be stashed (rule 3)."""
+        """Normalisation ordinal -> the node of its input, where it may be stashed (rule 3)
+        and is asked to be (``stash_norms``; a normalisation the run does not have is an
+        error)."""
         tr = self.trace
+        if self.stash_norms is not None and any(j >= len(tr.norms) for j in self.stash_norms):
+            raise TilingError(f"stash_norms {list(self.stash_norms)} names normalisations "
+                              f"the run does not have: it has {len(tr.norms)} (0 to "
+                              f"{len(tr.norms) - 1}, in the order they run).")
         producer = {op.spatial.output: op for op in tr.ops}
         nodes = {}
         for j, i in enumerate(tr.norms):
             node = tr.ops[i].spatial.inputs[0]
             op = producer.get(node)
-            if op is not None and not op.inplace and op.single:
+            if op is not None and not op.inplace and op.single and (
+                    self.stash_norms is None or j in self.stash_norms):
                 nodes[j] = node
         return nodes
 
@@ -670,7 +687,8 @@ def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Ten
 
 def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
          host: bool = False, device: torch.device | str | None = None,
-         stash: str | None = None, share_grads: bool = False) -> Any:
+         stash: str | None = None, stash_norms: Sequence[int] | None = None,
+         share_grads: bool = False) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -692,7 +710,8 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     where the run computes (default: its first device-resident input's device, else its
     first parameter's). ``stash="device"`` or ``"host"`` keeps each normalisation's input
     whole while the passes that read it run, so that later passes start from it instead
-    of recomputing from the inputs (NOTE [ Stashed passes ]): fewer FLOPs, more memory.
+    of recomputing from the inputs (NOTE [ Stashed passes ]): fewer FLOPs, more memory;
+    ``stash_norms``: only those normalisations' inputs, by their order in the run.
     ``share_grads=True``: the tiled runs that read the outputs add their input gradients
     into one tensor per output instead of one each (NOTE [ Shared input gradients ]);
     then a tensor hook on an output, or ``torch.autograd.grad`` with respect to it, sees
@@ -706,7 +725,7 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     >>> torch.allclose(y, block(x), atol=1e-5)
     True
     """
-    run = TiledRun(fn, inputs, tile, host_outputs=host, stash=stash,
+    run = TiledRun(fn, inputs, tile, host_outputs=host, stash=stash, stash_norms=stash_norms,
                    device=None if device is None else torch.device(device))
     params = [p for p in run.trace.params if p.requires_grad]
     needs_graph = torch.is_grad_enabled() and (any(x.requires_grad for x in inputs)
