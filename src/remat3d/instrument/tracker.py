@@ -200,11 +200,9 @@ def active_tracker() -> MemoryTracker | None:
 
 
 def replaying_tracker() -> MemoryTracker | None:
-    """The innermost active tracker that replays repeats (``replays=True``), if any."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, MemoryTracker):
-            return mode if mode.replays else None
-    return None
+    """The innermost active tracker, if it replays repeats (``replays=True``)."""
+    tracker = active_tracker()
+    return tracker if tracker is not None and tracker.replays else None
 
 
 def normalize_device(device: str | torch.device) -> str:

@@ -259,9 +259,7 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
                      format_bytes(added))
             return
         log.info("trying %s with its output stored on the device", region.label)
-        regions = [dataclasses.replace(r, fuse=False, host=False) if _same(r, region) else r
-                   for r in current.regions]
-        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
+        yield check(_replaced(current, region, fuse=False, host=False))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         if (candidate.verified_peak_bytes or 0) > budget:
@@ -368,7 +366,7 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         if fits(region, current, max(sizes), sum(sizes) - max(sizes)):
             log.info("trying %s with its normalisation inputs stashed on the device",
                      region.label)
-            yield check(_stashed(current, region))
+            yield check(_replaced(current, region, stash="device", stash_norms=None))
         else:
             log.info("%s: its normalisation inputs (%s) do not fit the room its passes "
                      "left; trying one", region.label, format_bytes(sum(sizes)))
@@ -386,7 +384,7 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
             tried += 1
             log.info("trying %s with normalisation %d's input stashed on the device",
                      region.label, j)
-            yield check(_stashed(current, region, [j]))
+            yield check(_replaced(current, region, stash="device", stash_norms=[j]))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         return (candidate.verified_peak_bytes or 0) <= budget and \
@@ -411,9 +409,9 @@ def _norm_inputs(run: list[Stage], norms: list[int]) -> list[tuple[int, float]]:
     return out
 
 
-def _stashed(plan: Plan, region: Region, only: list[int] | None = None) -> Plan:
-    """``plan`` with ``region`` stashing on the device (``only`` those normalisations)."""
-    regions = [dataclasses.replace(r, stash="device", stash_norms=only) if _same(r, region)
+def _replaced(plan: Plan, region: Region, **changes: object) -> Plan:
+    """A copy of ``plan`` with ``region``'s fields changed (a trial of rules 8 and 10)."""
+    regions = [dataclasses.replace(r, **changes) if _same(r, region)  # type: ignore[arg-type]
                else r for r in plan.regions]
     return dataclasses.replace(plan, regions=regions, notes=list(plan.notes))
 
