@@ -35,7 +35,9 @@ def setup(tmp_path_factory):
 
 
 def run(root, launcher, config, name, *extra):
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
+    # (PYTHONFAULTHANDLER: a rank that dies of a signal prints every thread's stack)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
     result = subprocess.run([*launcher, "train", str(config), f"--output_dir={root / name}",
                              *extra], env=env, capture_output=True, text=True, timeout=600,
                             check=False)
@@ -124,3 +126,19 @@ def test_ddp_with_a_graph_plan_equals_one_accumulating_process(setup, tmp_path):
     assert all(torch.equal(a[key], b[key]) for key in a)
     assert step_losses(out) == [(x + y) / 2 for x, y in
                                 zip(step_losses(single)[::2], step_losses(single)[1::2])]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_a_finished_fsdp_run_ends_its_process_group_threads(setup):
+    """FSDP2 keeps its process group alive in DTensor's caches; ``train()`` clears them so
+    destroying the group ends gloo's threads before the interpreter shuts down (a rank
+    once died at exit with SIGABRT after a finished run)."""
+    root, config, _ = setup
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*torchrun()[:-2], str(HERE / "fsdp_threads.py"), str(config), str(root / "threads")],
+        env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        threads = json.loads((root / "threads" / f"threads-{rank}.json").read_text())
+        assert not [name for name in threads if "gloo" in name], (rank, threads)

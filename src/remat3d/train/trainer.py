@@ -29,7 +29,7 @@ from remat3d.data.volumes import Preprocessing
 from remat3d.errors import DataError, SettingsError
 from remat3d.instrument.amp import amp_dtype
 from remat3d.planspec import Plan
-from remat3d.train.distributed import join, wrap_model
+from remat3d.train.distributed import join, leave, wrap_model
 from remat3d.train.fit import Fitting, Interrupted, TrainResult
 from remat3d.train.plans import StepPlans
 from remat3d.train.settings import TrainSettings
@@ -54,17 +54,17 @@ def train(settings: TrainSettings, *, resume: bool = False, overwrite: bool = Fa
     log) unless ``overwrite=True``."""
     with deterministic(settings):
         trainer = Trainer(settings, say=say)
+        world = trainer.world
         try:
             return trainer.fit(resume=resume, overwrite=overwrite,
                                interrupt_after=interrupt_after)
         finally:
             # (a finished fit() ends with a barrier: every rank is past its last
             # collective before the group is destroyed; after an error, no barrier: the
-            # other ranks may be gone)
-            if trainer.world.enabled:
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
+            # other ranks may be gone). The model goes first, then its process group:
+            # NOTE [ Distributed training ] rule 6 in distributed.py.
+            del trainer
+            leave(world)
 
 
 @contextlib.contextmanager
