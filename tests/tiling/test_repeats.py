@@ -183,6 +183,20 @@ def test_the_shared_scope_is_gone_after_an_exception():
     assert shared_repeat(("key",)) is None
 
 
+def test_the_shared_scope_is_its_own_threads():
+    # two plan() calls on two threads (two models, perhaps with equal keys) keep apart
+    import threading
+
+    seen = []
+    with shared_repeats():
+        shared_repeat(("key",), Repeat(0, 0, [], []))
+        other = threading.Thread(target=lambda: seen.append(shared_repeat(("key",))))
+        other.start()
+        other.join()
+        assert shared_repeat(("key",)) is not None
+    assert seen == [None]
+
+
 def test_the_planner_chooses_the_same_plan_with_its_candidates_sharing_tiles(monkeypatch):
     # rule 5 inside remat3d.plan: every candidate it verifies measures the same booked or
     # run, so the search takes the same steps to the same plan

@@ -69,6 +69,7 @@ the plan; ``reference.py`` measures it separately on CPU.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field, replace
@@ -158,36 +159,39 @@ class _Recording:
 
 
 # NOTE [ Repeats on meta ] rule 5: repeats by their callers' keys, while shared_repeats()
-_SHARED: dict[Hashable, Repeat] | None = None
+# (a context variable: each thread, and each asyncio task, plans with its own)
+_SHARED: contextvars.ContextVar[dict[Hashable, Repeat] | None] = contextvars.ContextVar(
+    "remat3d_shared_repeats", default=None)
 _SHARED_LIMIT = 1 << 14  # repeats kept at most (emptied when reached, like the meta cache)
 
 
 @contextlib.contextmanager
 def shared_repeats() -> Iterator[None]:
     """Keep repeats across the measurements made inside (NOTE [ Repeats on meta ] rule 5);
-    nested uses share the outermost's. Nothing is kept once it exits."""
-    global _SHARED
-    if _SHARED is not None:
+    nested uses share the outermost's. Nothing is kept once it exits; another thread
+    measures with its own (or none)."""
+    if _SHARED.get() is not None:
         yield
         return
-    _SHARED = {}
+    token = _SHARED.set({})
     try:
         yield
     finally:
-        _SHARED = None
+        _SHARED.reset(token)
 
 
 def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
     """The repeat kept under ``key`` (rule 5), after keeping ``repeat`` there if given and
     none is; None outside :func:`shared_repeats`."""
-    if _SHARED is None:
+    shared = _SHARED.get()
+    if shared is None:
         return None
-    kept = _SHARED.get(key)
+    kept = shared.get(key)
     if kept is None and repeat is not None:
-        if len(_SHARED) >= _SHARED_LIMIT:
-            _SHARED.clear()
+        if len(shared) >= _SHARED_LIMIT:
+            shared.clear()
         # what booking reads: not its ops' FLOPs and events one by one
-        kept = _SHARED[key] = replace(repeat, flops=[], events=[])
+        kept = shared[key] = replace(repeat, flops=[], events=[])
     return kept
 
 
