@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from remat3d.instrument.step import prepare_step, run_step, time_step
+from remat3d.instrument.tracker import PeakTensor
 from remat3d.runtime.graph_run import graph_plan_of, measure_applied_graph_plan
 
 __all__ = ["Measurement", "measure"]
@@ -25,7 +26,9 @@ class Measurement:
     ``peak_bytes`` is the tracker's peak of live tensor bytes on ``device``; ``flops``
     counts everything executed (forward, backward and any recomputation);
     ``seconds`` is the median wall time of uninstrumented steps (``None`` on meta).
-    ``peak_modules`` names where the peak was reached (innermost module first).
+    ``peak_modules`` names where the peak was reached (innermost module first), and
+    ``peak_tensors`` what was live there: the largest storages, each with the module that
+    made it (what to plan differently when a budget is missed).
     ``host_bytes`` is the most host memory that host-resident tiled outputs held (NOTE
     [ Host-resident tiled outputs ]; 0 on the CPU, where host and device are one).
     """
@@ -48,6 +51,8 @@ class Measurement:
     # the most bytes live on the device while its passes ran: "forward", and in backward
     # the normalisations' "sums" passes and the "final" pass
     tiled_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the largest storages live at the peak, largest first (empty for a graph plan's step)
+    peak_tensors: tuple[PeakTensor, ...] = ()
 
 
 def measure(
@@ -93,6 +98,7 @@ def measure(
             host_bytes=tracker.host_peak_bytes,
             peak_modules=tracker.peak_modules(),
             tiled_peaks=tracker.window_peaks(),
+            peak_tensors=tracker.peak_tensors(),
         )
     finally:
         tracker.close()

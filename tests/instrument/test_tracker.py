@@ -129,6 +129,34 @@ def test_breakdown_sums_to_peak_and_labels_gradients():
     assert all(g is not None and g.category == "grad" for g in grads)
 
 
+def test_peak_tensors_are_the_peaks_storages_with_their_makers():
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 2, 1))
+    x = torch.randn(1, 1, 8, 8, 8)
+    tr = _step(model, x)
+    every = tr.peak_tensors(limit=1000)
+    assert sum(t.nbytes for t in every) == tr.peak_bytes  # no booked repeat here
+    assert [t.nbytes for t in every] == sorted((t.nbytes for t in every), reverse=True)
+    assert tr.peak_tensors(limit=3) == every[:3]
+    split = tr.peak_breakdown()
+    for category in PEAK_CATEGORIES:
+        assert sum(t.nbytes for t in every if t.category == category) == split[category]
+    # the ReLU's saved result, 4 channels of 8³ floats, made by it in forward
+    assert any(t.nbytes == 4 * 8**3 * 4 and t.made_by == "1" and t.phase == "forward"
+               and t.category == "saved" for t in every)
+    assert any(t.category == "inputs" and t.made_by is None and t.phase == "setup"
+               for t in every)
+
+
+def test_measure_reports_the_peaks_largest_tensors():
+    import remat3d
+
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU())
+    m = remat3d.measure(model, torch.randn(1, 1, 8, 8, 8))
+    assert 0 < len(m.peak_tensors) <= 12
+    assert m.peak_tensors[0].nbytes == max(t.nbytes for t in m.peak_tensors)
+    assert sum(t.nbytes for t in m.peak_tensors) <= m.peak_bytes
+
+
 def test_saved_bytes_are_what_autograd_keeps():
     model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU())
     x = torch.randn(1, 1, 8, 8, 8)

@@ -216,7 +216,8 @@ def stored_skip_rows(size: int = 512) -> list[dict[str, Any]]:
         remat3d.apply(planned, Plan(regions=regions, spans=spans))
         m = remat3d.measure(planned, shape, device="meta", amp="bf16")
         rows.append({"setup": label, "peak_bytes": m.peak_bytes, "flops": m.flops,
-                     "at": m.peak_modules[0] if m.peak_modules else ""})
+                     "at": m.peak_modules[0] if m.peak_modules else "",
+                     "live": m.peak_tensors})
     return rows
 
 
@@ -389,6 +390,11 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(f"| {r['setup']} | {r['peak_bytes'] / GiB:.2f} GiB | {r['at']} | "
                   f"{r['flops'] / rows[0]['flops']:.2f}x |", flush=True)
+        print("\nlive at each peak, 256 MiB and more (GiB, category, made by, in):")
+        for r in rows[1:]:
+            print(f"- {r['setup']}: " + "; ".join(
+                f"{t.nbytes / GiB:.2f} {t.category} ({t.made_by}, {t.phase})"
+                for t in r["live"] if t.nbytes >= GiB // 4))
         return
     if args.layouts:
         rows = layout_rows(args.size, host=args.host)

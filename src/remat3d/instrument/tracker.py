@@ -87,7 +87,8 @@ from remat3d.instrument.metacache import META_KERNELS
 from remat3d.instrument.state import current_placement, is_recomputing
 from remat3d.instrument.tensors import tensors_in
 
-__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "Repeat", "TimelineEvent",
+__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "PeakTensor", "Repeat",
+           "TimelineEvent",
            "active_tracker", "replaying_tracker", "shared_repeat", "shared_repeats"]
 
 HOST = "cpu"  # where host-resident tensors of a meta step are booked
@@ -104,6 +105,19 @@ _CATEGORY_OF = {
     "saved": "saved",
     "activation": "transient",
 }
+
+
+@dataclass(frozen=True)
+class PeakTensor:
+    """One storage live at the peak: its bytes, its :data:`PEAK_CATEGORIES` category,
+    the module whose invocation made it (innermost; "" the model's own forward; None:
+    outside every module, before the step, or no model recorded) and the phase it was
+    made in ("forward", "backward", "recompute", "setup")."""
+
+    nbytes: int
+    category: str
+    made_by: str | None
+    phase: str
 
 
 @dataclass
@@ -325,6 +339,16 @@ class MemoryTracker(TorchDispatchMode):
             split[_CATEGORY_OF[record.category]] += record.nbytes
         split["transient"] += self._peak_extra
         return split
+
+    def peak_tensors(self, limit: int = 12) -> tuple[PeakTensor, ...]:
+        """The ``limit`` largest storages live at the peak, largest first (where a
+        booked repeat raised the peak, NOTE [ Repeats on meta ] rule 5, its high-water is
+        not a storage: the breakdown's transient bytes hold it)."""
+        largest = sorted(self._peak_records, key=lambda r: (-r.nbytes, r.uid))[:limit]
+        return tuple(PeakTensor(
+            r.nbytes, _CATEGORY_OF[r.category],
+            self._names(r.producer)[0] if r.producer is not None and self.invocations
+            is not None else None, r.phase) for r in largest)
 
     def peak_modules(self) -> tuple[str, ...]:
         """The module invocations running at the peak, innermost first (qualified names;
