@@ -129,16 +129,18 @@ def test_ddp_with_a_graph_plan_equals_one_accumulating_process(setup, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
-def test_a_finished_fsdp_run_ends_its_process_group_threads(setup):
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_a_finished_run_ends_its_process_group_threads(setup, mode):
     """FSDP2 keeps its process group alive in DTensor's caches; ``train()`` clears them so
     destroying the group ends gloo's threads before the interpreter shuts down (a rank
-    once died at exit with SIGABRT after a finished run)."""
+    once died at exit with SIGABRT after a finished run). DDP's must end too."""
     root, config, _ = setup
+    out = root / f"threads-{mode}"
     env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [*torchrun()[:-2], str(HERE / "fsdp_threads.py"), str(config), str(root / "threads")],
+        [*torchrun()[:-2], str(HERE / "run_threads.py"), str(config), str(out), mode],
         env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        threads = json.loads((root / "threads" / f"threads-{rank}.json").read_text())
+        threads = json.loads((out / f"threads-{rank}.json").read_text())
         assert not [name for name in threads if "gloo" in name], (rank, threads)
