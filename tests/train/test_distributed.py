@@ -128,6 +128,17 @@ def test_ddp_with_a_graph_plan_equals_one_accumulating_process(setup, tmp_path):
                                 zip(step_losses(single)[::2], step_losses(single)[1::2])]
 
 
+def left_behind(root, config, name, *args):
+    """What ``tests/train/run_threads.py`` reports for each rank of a 2-process run."""
+    out = root / name
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*torchrun()[:-2], str(HERE / "run_threads.py"), str(config), str(out), *args],
+        env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"threads-{rank}.json").read_text()) for rank in (0, 1)]
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_a_finished_run_ends_its_process_group_threads(setup, mode):
@@ -135,12 +146,15 @@ def test_a_finished_run_ends_its_process_group_threads(setup, mode):
     destroying the group ends gloo's threads before the interpreter shuts down (a rank
     once died at exit with SIGABRT after a finished run). DDP's must end too."""
     root, config, _ = setup
-    out = root / f"threads-{mode}"
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [*torchrun()[:-2], str(HERE / "run_threads.py"), str(config), str(out), mode],
-        env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        threads = json.loads((out / f"threads-{rank}.json").read_text())
-        assert not [name for name in threads if "gloo" in name], (rank, threads)
+    for rank in left_behind(root, config, f"threads-{mode}", mode):
+        assert rank["error"] is None and not rank["initialized"]
+        assert not [name for name in rank["threads"] if "gloo" in name], rank
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_a_run_that_fails_to_set_up_leaves_no_process_group(setup):
+    # FSDP2 refuses fp16 after joining the group: the error, and nothing left behind
+    root, config, _ = setup
+    for rank in left_behind(root, config, "threads-failed", "fsdp", "--amp=fp16"):
+        assert rank["error"] == "SettingsError" and not rank["initialized"]
+        assert not [name for name in rank["threads"] if "gloo" in name], rank

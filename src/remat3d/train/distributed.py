@@ -16,7 +16,9 @@ NOTE [ Distributed training ]
      0's, as in any DDP run. Use SyncBatchNorm or InstanceNorm for rank-independent ones.
   6. A run leaves the group with ``leave()``: every rank is past its last collective (a
      finished fit() ends with a barrier), the model is released, and the group is destroyed
-     so that its threads end there, not during interpreter shutdown. FSDP2's DTensors leave
+     so that its threads end there, not during interpreter shutdown. A run that fails
+     (its set-up included: data, settings, weights, an infeasible budget) leaves it too,
+     so no process group outlives ``train()``. FSDP2's DTensors leave
      their device mesh, and with it the group, in DTensor's process-wide caches (sharding
      propagation, redistribute planners, mesh topologies). Measured, torch 2.13: after
      ``destroy_process_group()`` and ``gc.collect()`` gloo's threads (``gloo_tcp_loop``,

@@ -118,12 +118,22 @@ class Trainer(StepPlans, Steps, Validation, Fitting):
 
     def __init__(self, settings: TrainSettings, *, say: Callable[[str], None] = logger.info,
                  model: nn.Module | None = None) -> None:
-        from monai.losses import DiceCELoss
-
         settings.validate()
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.world = join(settings.distributed, self.device.type)
+        try:
+            self._set_up(settings, say, model)
+        except BaseException:
+            # a set-up that fails (bad data, settings, weights, an infeasible budget) leaves
+            # no process group behind: NOTE [ Distributed training ] rule 6
+            leave(self.world)
+            raise
+
+    def _set_up(self, settings: TrainSettings, say: Callable[[str], None],
+                model: nn.Module | None) -> None:
+        from monai.losses import DiceCELoss
+
         if self.world.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.world.local_rank)
             torch.cuda.set_device(self.device)
