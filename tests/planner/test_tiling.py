@@ -660,3 +660,40 @@ def test_a_run_whose_stashes_do_not_all_fit_stashes_one(graph_and_stages) -> Non
     assert verified == [("head", [1])]
     head = next(r for r in chosen.regions if r.module == "head")
     assert (head.stash, head.stash_norms) == ("device", [1])
+
+
+def test_a_run_with_one_stash_takes_a_second_where_it_fits(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """Rule 10: a run of three normalisations whose inputs do not all fit, but two do,
+    stashes one, then the best second one beside it (both whole in forward; the earlier
+    in the backward's sums passes unless the later is the run's last)."""
+    from remat3d.planner.tiled_plans import layout_regions, stash_where_room
+    from remat3d.planner.tiling import stage_norms
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    norms, readers = stage_norms(graph, stages), stage_readers(graph, stages)
+    norms = list(norms)
+    norms[names.index("up")] = 2  # the head's run: stem's normalisation, then up's two
+    lay = next(lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+               if lay.depth == 1 and lay.fuse == "all")
+    sizes = [stages.stages[names.index(n)].output_bytes for n in ("stem", "up", "up")]
+    big = 10**9
+    start = Plan(regions=layout_regions(stages, lay), verified_peak_bytes=big,
+                 extra_flops=1000, step_flops=1, verified_tiled_peaks={
+                     "head#0": {"forward": big - 2 * max(sizes), "sums": big - max(sizes)},
+                     "down#0": {"forward": big, "sums": big}})
+    verified: list[list[int] | None] = []
+
+    def check(plan: Plan) -> Plan:
+        head = next(r for r in plan.regions if r.module == "head")
+        verified.append(head.stash_norms)
+        plan.verified_peak_bytes = big
+        plan.extra_flops = 1000 - 100 * len(head.stash_norms or [])
+        return plan
+
+    chosen = stash_where_room(start, big, stages, check, norms, readers)
+    # all three do not fit the sums passes' room: one first, then a pair holding it
+    assert None not in verified and len(verified[0]) == 1
+    assert len(verified[-1]) == 2 and verified[0][0] in verified[-1]
+    head = next(r for r in chosen.regions if r.module == "head")
+    assert (head.stash, head.stash_norms) == ("device", verified[-1])

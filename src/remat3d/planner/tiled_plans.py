@@ -390,7 +390,30 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         return (candidate.verified_peak_bytes or 0) <= budget and \
             extra_cost(candidate) < extra_cost(current)
 
-    return greedy_prune(best, steps, trials, cheaper)
+    def second(step: tuple[Region, list[tuple[int, float]], float], current: Plan
+               ) -> Iterator[Plan]:
+        # a run that took one normalisation's stash: one more, the one that saves the
+        # most beside it and fits (both whole in forward; all but the later at the end
+        # of the first sums pass)
+        region, inputs, _ = step
+        now = next((r for r in current.regions if _same(r, region)), None)
+        if now is None or now.stash != "device" or now.stash_norms is None or \
+                len(now.stash_norms) != 1:
+            return
+        j, k = now.stash_norms[0], len(inputs)
+        for j2 in sorted((i for i in range(k) if i != j),
+                         key=lambda i: -inputs[i][1] * (2 * k - 2 * i - 1 if i < k - 1 else 1)):
+            pair = sorted((j, j2))
+            held = inputs[pair[0]][0] if pair[1] == k - 1 else \
+                inputs[pair[0]][0] + inputs[pair[1]][0]
+            if fits(now, current, inputs[j][0] + inputs[j2][0], held):
+                log.info("trying %s with normalisations %s's inputs stashed on the device",
+                         region.label, pair)
+                yield check(_replaced(current, now, stash_norms=pair))
+                return
+
+    once = greedy_prune(best, steps, trials, cheaper)
+    return greedy_prune(once, steps, second, cheaper)
 
 
 _SINGLE_STASHES = 2  # rule 10: single-normalisation stashes tried per run, at most

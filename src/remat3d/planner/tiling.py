@@ -114,10 +114,14 @@ NOTE [ Tiling layouts ]
      elsewhere, in a pass that holds no stash) (``stash_where_room``). Where they do not
      all fit, one normalisation's input alone (``Region.stash_norms``), the one that saves
      the most by the stage model (its passes after it start there; of two tried at most)
-     and fits: the last one's is whole in forward only. nnU-Net v2 at 512³ bf16, 24 GiB
-     with offload: 2.39x the unplanned FLOPs without stashes, 1.82x with; without
-     offload, the top decoder run (the skip and the decoder stage fused into the head,
-     four 8 GiB normalisation inputs) stashing its third alone: 3.62x -> 2.99x.
+     and fits: the last one's is whole in forward only. Then a run that took one takes a
+     second beside it where both fit (one trial: the best by the same measure; both
+     are whole in forward, the earlier in the sums passes too unless the later is the
+     run's last). nnU-Net v2 at 512³ bf16, 24 GiB with offload: 2.39x the unplanned
+     FLOPs without stashes, 1.82x with; without offload, the top decoder run (the skip
+     and the decoder stage fused into the head, four 8 GiB normalisation inputs)
+     stashing its third alone: 3.62x -> 2.99x; the encoder's half-resolution run a second
+     one: 2.95x.
 """
 
 from __future__ import annotations
