@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat3d.train import load_settings
+from remat3d.train.distributed import World, leave
 from remat3d.train.trainer import Trainer, deterministic
 
 
@@ -24,7 +25,7 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(config: str, budget: str) -> tuple[int, int]:
+def count(config: str, budget: str) -> tuple[int, int, World]:
     settings = load_settings(config, [f"--memory_budget={budget}", "--distributed=fsdp",
                                       "--output_dir=/tmp/unused"])
     with deterministic(settings):
@@ -35,18 +36,17 @@ def count(config: str, budget: str) -> tuple[int, int]:
         regions = len(trainer.plans[shape].regions) if trainer.plans.get(shape) else 0
         with CountCollectives() as counter:
             trainer.forward_backward(sample)
-        return counter.all_gathers, regions
+        return counter.all_gathers, regions, trainer.world
 
 
 if __name__ == "__main__":
-    plain, _ = count(sys.argv[1], "none")
-    planned, regions = count(sys.argv[1], "0.8x")
+    plain, _, _ = count(sys.argv[1], "none")
+    planned, regions, world = count(sys.argv[1], "0.8x")
     if dist.get_rank() == 0:
         print(json.dumps({"plain": plain, "planned": planned, "regions": regions}))
-    # every rank done with every collective before the group goes: torn down while the
-    # other rank's gloo thread still ran, rank 0 aborted ("terminate called without an
-    # active exception") on a loaded machine. (FSDP2 keeps the process group object alive
-    # past destroy_process_group, with no Python referrer, to the interpreter's exit;
-    # destroy_process_group shuts its gloo backend down, so nothing may still be in flight.)
+    # every rank done with every collective before the group goes, then the group goes
+    # as train() leaves it (NOTE [ Distributed training ] rule 6): with DTensor's caches
+    # still holding FSDP2's mesh, gloo's threads ran on to the interpreter's exit, and a
+    # rank sometimes aborted there ("terminate called without an active exception")
     dist.barrier()
-    dist.destroy_process_group()
+    leave(world)
