@@ -34,12 +34,15 @@ def setup(tmp_path_factory):
     return root, config, single
 
 
-def run(root, launcher, config, name, *extra):
+def rank_env() -> dict[str, str]:
     # (PYTHONFAULTHANDLER: a rank that dies of a signal prints every thread's stack)
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
+    return {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1"}
+
+
+def run(root, launcher, config, name, *extra):
     result = subprocess.run([*launcher, "train", str(config), f"--output_dir={root / name}",
-                             *extra], env=env, capture_output=True, text=True, timeout=600,
+                             *extra], env=rank_env(), capture_output=True, text=True, timeout=600,
                             check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     OUTPUTS[root / name] = result.stdout + result.stderr
@@ -89,11 +92,10 @@ def test_resume_with_another_world_size(setup):
 
 def test_fsdp_recomputation_adds_no_all_gather(setup):
     root, config, _ = setup
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(HERE / "fsdp_collectives.py"), str(config)],
-        env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
+        env=rank_env(), capture_output=True, text=True, timeout=600, check=False, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     counts = json.loads(result.stdout.strip().splitlines()[-1])
     assert counts["regions"] > 0 and counts["plain"] > 0
@@ -131,10 +133,9 @@ def test_ddp_with_a_graph_plan_equals_one_accumulating_process(setup, tmp_path):
 def left_behind(root, config, name, *args):
     """What ``tests/train/run_threads.py`` reports for each rank of a 2-process run."""
     out = root / name
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*torchrun()[:-2], str(HERE / "run_threads.py"), str(config), str(out), *args],
-        env=env, capture_output=True, text=True, timeout=600, check=False, cwd=root)
+        env=rank_env(), capture_output=True, text=True, timeout=600, check=False, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"threads-{rank}.json").read_text()) for rank in (0, 1)]
 

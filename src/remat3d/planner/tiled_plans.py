@@ -373,8 +373,7 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         # one normalisation's input: the passes after it start there (forward), and the
         # backward's sums passes from it on; the two that save the most and fit
         k = len(inputs)
-        one = sorted(range(k), key=lambda j: -inputs[j][1] * (2 * k - 2 * j - 1
-                                                             if j < k - 1 else 1))
+        one = sorted(range(k), key=lambda j: -_stash_saves(inputs, j))
         tried = 0
         for j in one:
             size = inputs[j][0]
@@ -402,7 +401,7 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
             return
         j, k = now.stash_norms[0], len(inputs)
         for j2 in sorted((i for i in range(k) if i != j),
-                         key=lambda i: -inputs[i][1] * (2 * k - 2 * i - 1 if i < k - 1 else 1)):
+                         key=lambda i: -_stash_saves(inputs, i)):
             pair = sorted((j, j2))
             held = inputs[pair[0]][0] if pair[1] == k - 1 else \
                 inputs[pair[0]][0] + inputs[pair[1]][0]
@@ -417,6 +416,15 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
 
 
 _SINGLE_STASHES = 2  # rule 10: single-normalisation stashes tried per run, at most
+
+
+def _stash_saves(inputs: list[tuple[int, float]], j: int) -> float:
+    """What stashing normalisation ``j``'s input saves, by the stage model (rule 10's
+    order): the run's forward FLOPs up to it, for each pass that no longer recomputes
+    them (forward passes after it, and the backward's sums passes from it on; the last
+    normalisation's, its final forward pass only)."""
+    k = len(inputs)
+    return inputs[j][1] * (2 * k - 2 * j - 1 if j < k - 1 else 1)
 
 
 def _norm_inputs(run: list[Stage], norms: list[int]) -> list[tuple[int, float]]:
