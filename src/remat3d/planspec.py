@@ -67,6 +67,11 @@ class Region:
         stash_norms: with ``stash``, which normalisations keep their inputs, by their
             order in the region's run (0 the first; a fused producer's come first);
             ``None``: every one that may.
+        rebuild: a ``"tile"`` region whose output its tiled readers do not keep for their
+            backward: the first of those backwards runs the region's forward again and
+            the others share it (NOTE [ Rebuilt tiled outputs ] in
+            ``runtime/tiling/tiled.py``): one forward more, the output absent from the
+            end of the forward until then.
     """
 
     module: str
@@ -80,6 +85,7 @@ class Region:
     host: bool = False
     stash: str | None = None
     stash_norms: list[int] | None = None
+    rebuild: bool = False
 
     @property
     def label(self) -> str:
@@ -121,6 +127,11 @@ class Region:
             raise PlanError(f"Region {self.label}: host applies to tiled regions that are "
                             f"not fused (decision 'tile', fuse False); got decision "
                             f"{self.decision!r}, fuse {self.fuse}.")
+        if self.rebuild and (self.decision != Decision.TILE or self.fuse or self.host):
+            raise PlanError(f"Region {self.label}: rebuild applies to tiled regions whose "
+                            f"output is stored on the device (decision 'tile', neither fuse "
+                            f"nor host); got decision {self.decision!r}, fuse {self.fuse}, "
+                            f"host {self.host}.")
         if self.stash is not None and (self.decision != Decision.TILE
                                        or self.stash not in ("device", "host")):
             raise PlanError(f"Region {self.label}: stash is 'device' or 'host' and applies "
@@ -299,6 +310,8 @@ class Plan:
                 extra += " fused"
             if region.host:
                 extra += " output on host"
+            if region.rebuild:
+                extra += " output rebuilt"
             if region.stash:
                 extra += f" stash on {region.stash}"
             if region.stash_norms is not None:

@@ -62,3 +62,20 @@ def test_the_report_names_a_failed_case_in_place_of_its_numbers() -> None:
     report = markdown(rows, "header")
     assert "| nnunet |  | None | p.json | failed: TypeError: no |" in report
     assert report.count("failed") == 1 and "exactness" not in report
+
+
+def test_one_step_cases_time_the_warm_up_and_may_leave_out_the_tracker() -> None:
+    from remat3d.bench.cuda_check import unplanned_row
+
+    row = unplanned_row("segresnet", [1, 1, 16, 16, 16], None, "cpu", 0, track=False)
+    assert row["seconds_all"] == [row["warmup_s"]] and row["timed_steps"] == 0
+    assert row["tracker_peak"] is None and row["verified_peak"] > 0
+    report = markdown([row], "header")
+    assert "| segresnet | 1x1x16x16x16 | None | none | 0 | no |" in report
+    assert " — | — | — | 1.00 |" in report  # no tracker, no allocator on CPU: no ratio
+
+
+def test_a_negative_repeat_count_is_one_clear_error(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--repeats", "-1", "--out", str(tmp_path)])
+    assert "--repeats -1" in capsys.readouterr().err

@@ -78,8 +78,12 @@ def _allocator_peak(device: str) -> int | None:
 
 
 def _measure_steps(model: torch.nn.Module, shape: list[int], amp: str | None, device: str,
-                   repeats: int) -> dict[str, Any]:
-    """Warm-up step, ``repeats`` timed steps (allocator peak over them), one tracked step."""
+                   repeats: int, track: bool = True) -> dict[str, Any]:
+    """Warm-up step, ``repeats`` timed steps (allocator peak over them), one tracked step.
+
+    ``repeats=0`` times the warm-up step alone and takes its allocator peak (on a GPU lent
+    for minutes, one 512³ step is what a case can afford); ``track=False`` leaves out the
+    tracked step (its peak is then None)."""
     from remat3d.instrument.step import prepare_step, run_step, time_step
 
     torch.manual_seed(0)
@@ -88,29 +92,32 @@ def _measure_steps(model: torch.nn.Module, shape: list[int], amp: str | None, de
     _reset_peak(device)
     warm = time_step(setup, 1)
     warm_peak = _allocator_peak(device)
-    _reset_peak(device)
-    times = [time_step(setup, 1) for _ in range(repeats)]
-    peak = _allocator_peak(device)
-    tracker = run_step(setup)
-    try:
-        tracker_peak = tracker.peak_bytes
-        host_peak = tracker.host_peak_bytes
-        flops = sum(tracker.flops.values())
-    finally:
-        tracker.close()
-    return {
+    times, peak = [warm], warm_peak
+    if repeats > 0:
+        _reset_peak(device)
+        times = [time_step(setup, 1) for _ in range(repeats)]
+        peak = _allocator_peak(device)
+    row: dict[str, Any] = {
         "warmup_s": warm,
         "seconds": statistics.median(times),
         "seconds_all": times,
+        "timed_steps": repeats,
         "allocator_peak": peak,
         "allocator_peak_warmup": warm_peak,
-        "tracker_peak": tracker_peak,
-        "tracker_flops": flops,
-        "tracker_host_peak": host_peak,
+        "tracker_peak": None, "tracker_flops": None, "tracker_host_peak": None,
     }
+    if track:
+        tracker = run_step(setup)
+        try:
+            row.update(tracker_peak=tracker.peak_bytes, tracker_host_peak=tracker.host_peak_bytes,
+                       tracker_flops=sum(tracker.flops.values()))
+        finally:
+            tracker.close()
+    return row
 
 
-def planned_row(preset: str, plan_path: str, device: str, repeats: int) -> dict[str, Any]:
+def planned_row(preset: str, plan_path: str, device: str, repeats: int,
+                track: bool = True) -> dict[str, Any]:
     """One plan, applied to the preset at the plan's input shape, run on ``device``."""
     import remat3d
     from remat3d import zoo
@@ -133,7 +140,7 @@ def planned_row(preset: str, plan_path: str, device: str, repeats: int) -> dict[
         "verified_host": plan.verified_host_bytes,
     }
     try:
-        row.update(_measure_steps(model, shape, plan.amp, device, repeats))
+        row.update(_measure_steps(model, shape, plan.amp, device, repeats, track))
     finally:
         remat3d.remove(model)
         del model
@@ -141,7 +148,7 @@ def planned_row(preset: str, plan_path: str, device: str, repeats: int) -> dict[
 
 
 def unplanned_row(preset: str, shape: list[int], amp: str | None, device: str,
-                  repeats: int) -> dict[str, Any]:
+                  repeats: int, track: bool = True) -> dict[str, Any]:
     """The plain step, for the planned rows' time and peak to be read against."""
     import remat3d
     from remat3d import zoo
@@ -153,7 +160,7 @@ def unplanned_row(preset: str, shape: list[int], amp: str | None, device: str,
         "strategy": "none", "verified_peak": meta.peak_bytes, "flops_ratio": 1.0,
         "offload": False, "tiled": [],
     }
-    row.update(_measure_steps(model, shape, amp, device, repeats))
+    row.update(_measure_steps(model, shape, amp, device, repeats, track))
     return row
 
 
@@ -254,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="PRESET:BxCxDxHxW:AMP (AMP none, bf16 or fp16)")
     parser.add_argument("--exactness", action="store_true")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed steps after the warm-up; 0 times the warm-up step alone")
+    parser.add_argument("--no-tracker", action="store_true",
+                        help="leave out the step under the tracker (its peak column is then —)")
     parser.add_argument("--exact-size", type=int, default=64)
     parser.add_argument("--deadline", type=float, default=math.inf,
                         help="seconds for the whole run: no case starts after it, and a "
@@ -276,17 +286,20 @@ def main(argv: list[str] | None = None) -> None:
               "by `python -m remat3d.bench.cuda_check` (docs/gpu.md gives the command).")
     print(header, flush=True)
 
-    dev, reps = args.device, args.repeats
+    dev, reps, track = args.device, args.repeats, not args.no_tracker
+    if reps < 0:
+        parser.error(f"--repeats {reps}: give 0 or more timed steps")
     # (kind, what it runs, the fields a failed case still reports)
     cases: list[tuple[str, Callable[[], dict[str, Any]], dict[str, Any]]] = []
     for spec in args.unplanned:
         preset, text, amp_text = spec.split(":")
         shape, amp = _parse_shape(text), None if amp_text == "none" else amp_text
-        cases.append(("unplanned", functools.partial(unplanned_row, preset, shape, amp, dev, reps),
+        cases.append(("unplanned", functools.partial(unplanned_row, preset, shape, amp, dev, reps,
+                                                         track),
                       {"preset": preset, "plan": "none", "shape": shape, "amp": amp}))
     for spec in args.plan:
         preset, path = spec.split(":", 1)
-        cases.append(("planned", functools.partial(planned_row, preset, path, dev, reps),
+        cases.append(("planned", functools.partial(planned_row, preset, path, dev, reps, track),
                       {"preset": preset, "plan": Path(path).name, "shape": [], "amp": None}))
     if args.exactness:
         n = args.exact_size

@@ -87,6 +87,7 @@ def plan_command(
         if region.tile:
             detail = format_shape(region.tile) + (" fused" if region.fuse else "") \
                 + (" output on host" if region.host else "") \
+                + (" output rebuilt" if region.rebuild else "") \
                 + (f" stash on {region.stash}" if region.stash else "") \
                 + (" (norms " + ",".join(map(str, region.stash_norms)) + ")"
                    if region.stash_norms is not None else "")

@@ -132,7 +132,7 @@ class _Search:
         assert self.p.verify is not None
         signature = (candidate.prefetch, candidate.rebuild_saved, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
-             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.stash,
+             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.rebuild, r.stash,
              tuple(r.stash_norms) if r.stash_norms is not None else None)
             for r in candidate.regions))
         if signature not in self.measured_plans:

@@ -411,7 +411,8 @@ class _PlannedForward:
         # gradients (NOTE [ Shared input gradients ] rule 4)
         with labelled(region.label):
             return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
-                        stash_norms=region.stash_norms, share_grads=True)
+                        stash_norms=region.stash_norms, share_grads=True,
+                        rebuild=region.rebuild)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

@@ -83,6 +83,27 @@ NOTE [ Shared input gradients ]
      ``retain_grad`` on the output, or ``torch.autograd.grad`` with respect to it, sees
      only the non-tiled readers' part. Plans' tiled outputs are a module's internals,
      hence plans share; ``remat3d.tile`` does not unless asked.
+
+NOTE [ Rebuilt tiled outputs ]
+  ``rebuild=True`` (a plan's ``Region(rebuild=True)``): a tiled output that its readers
+  keep for their backwards long after its forward (a U-Net's half-resolution skip, read
+  by the encoder's next run at once and by the decoder late; both backwards come after
+  the decoder's top run's) need not be held through those backwards' predecessors.
+  1. The outputs carry a :class:`Rebuild` (an attribute of the tensor object): the run
+     and, once its forward ran, its autograd context (its saved inputs, which the run
+     keeps for its own backward anyway; autograd runs that after every reader's).
+  2. A tiled run reading such an output does not save it for its backward; it counts
+     itself a reader. So the output is freed when the forward is done with it.
+  3. The first reader's backward to need it runs the producing run's forward again (its
+     passes, under ``recomputing()``, from those saved inputs, every tile restoring the
+     buffers it changed and the running statistics not updated again), and each later
+     reader takes the same tensors; once the last has taken them, only the backwards
+     running hold them. A tiled run is deterministic: the rebuilt outputs are bitwise the
+     forward's. With ``retain_graph`` a second backward rebuilds them again.
+  4. A reader that is not a tiled run (a recompute region, an op) keeps the output as it
+     keeps any tensor: correct, and nothing saved while it does.
+  Cost: one forward of the producing run more; the output is absent from the end of the
+  forward until the first reader's backward.
 """
 
 from __future__ import annotations
@@ -127,6 +148,7 @@ from remat3d.runtime.tiling.trace import TilingError, Trace, trace
 __all__ = ["GradSlot", "TileSize", "TiledRun", "labelled", "tile"]
 
 TileSize = int | Sequence[int]
+REBUILT = "_remat3d_rebuilt"  # (Rebuild, output index) on a rebuilt run's outputs
 STASHES = ("device", "host")  # where NOTE [ Stashed passes ] may keep normalisation inputs
 
 
@@ -387,7 +409,15 @@ class TiledRun:
         with self._window("forward"):
             return self._forward(inputs)
 
-    def _forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def rebuild(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The outputs again, as :meth:`forward` made them (NOTE [ Rebuilt tiled outputs
+        ]): the same passes, every tile restoring the buffers it changed, and the running
+        statistics not updated a second time."""
+        with self._window("rebuild"):
+            return self._forward(inputs, rebuilding=True)
+
+    def _forward(self, inputs: Sequence[torch.Tensor],
+                 rebuilding: bool = False) -> list[torch.Tensor]:
         tr = self.trace
         for stats in self.stats:
             stats.reset()
@@ -405,27 +435,34 @@ class TiledRun:
                     outs = [host_empty(shape, dtype, self.device) if self.host_outputs
                             else torch.empty(shape, dtype=dtype, device=self.device)
                             for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
-                repeats = _Repeats(self, ("forward", j, _layout(inputs)), last_runs=j == n)
+                repeats = _Repeats(self, ("forward", j, _layout(inputs)),
+                                   last_runs=j == n and not rebuilding)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
                     with repeats.recording(k):
                         if j == n:
-                            self._output_tile(k, inputs, outs, stashing)
+                            self._output_tile(k, inputs, outs, stashing, rebuilding)
                             continue
                         with _restoring_buffers(), recomputing():
                             self.run_tile(k, inputs, stop_at=j, stashing=stashing)
                 if j < n:
                     self.stats[j].finish()
                 del stashing
-            self._update_running()
+            if rebuilding:
+                for stats in self.stats:
+                    stats.running = None
+            else:
+                self._update_running()
         return outs
 
     def _output_tile(self, k: int, inputs: Sequence[torch.Tensor],
-                     outs: list[torch.Tensor], stashing: Stashing | None) -> None:
+                     outs: list[torch.Tensor], stashing: Stashing | None,
+                     rebuilding: bool = False) -> None:
         """Tile ``k``'s part of the outputs, written into ``outs`` (NOTE rule 1); buffers
-        restored but after the last tile. Its own tensors are gone when it returns."""
-        last = k == len(self.tiles) - 1
+        restored but after the last tile (after every tile when ``rebuilding``). Its own
+        tensors are gone when it returns."""
+        last = k == len(self.tiles) - 1 and not rebuilding
         with contextlib.nullcontext() if last else _restoring_buffers():
             ys, _, _ = self.run_tile(k, inputs, stashing=stashing)
         assert ys is not None
@@ -658,15 +695,23 @@ class _TiledFunction(torch.autograd.Function):
         ctx.n_inputs = n_inputs
         ctx.amp = AmpState.capture(run.device)
         ctx.set_materialize_grads(False)  # an output without gradient costs nothing
-        ctx.save_for_backward(*inputs)
+        # inputs a rebuilt run made are not saved (NOTE [ Rebuilt tiled outputs ] rule 2)
+        ctx.rebuilt = {i: made for i, x in enumerate(inputs)
+                       if (made := getattr(x, REBUILT, None)) is not None}
+        for source, _ in ctx.rebuilt.values():
+            source.readers += 1
+        ctx.save_for_backward(*[None if i in ctx.rebuilt else x for i, x in enumerate(inputs)])
         ctx.slots = slots  # this run's outputs' (NOTE [ Shared input gradients ] rule 2)
         ctx.read = [grad_slot(x) for x in inputs]  # its inputs' (rule 1)
+        source = run.__dict__.pop("_rebuild", None)  # this run's outputs are rebuilt (rule 1)
+        if source is not None:
+            source.ctx = ctx
         return tuple(run.forward([x.detach() for x in inputs]))
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        inputs = ctx.saved_tensors
+        inputs = _saved_inputs(ctx)
         needs = list(ctx.needs_input_grad[3:3 + ctx.n_inputs])
         run: TiledRun = ctx.run
         if ctx.slots is not None:
@@ -676,6 +721,44 @@ class _TiledFunction(torch.autograd.Function):
         with torch.enable_grad(), recomputing(), ctx.amp.restore(), _restoring_buffers():
             dx, dparams = run.backward(inputs, dys, needs, ctx.read)
         return (None, None, None, *dx, *dparams)
+
+
+def _saved_inputs(ctx: Any, count: bool = True) -> list[torch.Tensor]:
+    """A tiled run's inputs in backward: those saved, and those rebuilt (NOTE [ Rebuilt
+    tiled outputs ] rule 3; ``count``: this is the reader's own backward taking them)."""
+    inputs = list(ctx.saved_tensors)
+    for i, (source, k) in ctx.rebuilt.items():
+        inputs[i] = source.take(k, count)
+    return inputs
+
+
+class Rebuild:
+    """Where a rebuilt run's outputs come from again (NOTE [ Rebuilt tiled outputs ])."""
+
+    def __init__(self, run: TiledRun) -> None:
+        self.run = run
+        self.ctx: Any = None  # the run's autograd context: its saved inputs (rule 3)
+        self.readers = 0      # tiled runs that read an output and did not save it
+        self.taken = 0
+        self.value: tuple[torch.Tensor, ...] | None = None
+
+    def take(self, k: int, count: bool = True) -> torch.Tensor:
+        """Output ``k``, rebuilt the first time a reader's backward needs it and held
+        until every reader has taken it (rule 3)."""
+        if self.value is None:
+            if self.ctx is None:
+                raise RuntimeError("A rebuilt tiled output was read before its run's "
+                                   "forward finished.")
+            inputs = _saved_inputs(self.ctx, count=False)
+            with torch.no_grad(), recomputing(), self.ctx.amp.restore(), \
+                    _restoring_buffers():
+                self.value = tuple(self.run.rebuild([x.detach() for x in inputs]))
+        out = self.value[k]
+        if count:
+            self.taken += 1
+            if self.taken >= self.readers:  # the last reader: only it holds them now
+                self.value, self.taken = None, 0
+        return out
 
 
 def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor | None:
@@ -688,7 +771,7 @@ def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Ten
 def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
          host: bool = False, device: torch.device | str | None = None,
          stash: str | None = None, stash_norms: Sequence[int] | None = None,
-         share_grads: bool = False) -> Any:
+         share_grads: bool = False, rebuild: bool = False) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -715,7 +798,11 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     ``share_grads=True``: the tiled runs that read the outputs add their input gradients
     into one tensor per output instead of one each (NOTE [ Shared input gradients ]);
     then a tensor hook on an output, or ``torch.autograd.grad`` with respect to it, sees
-    only the gradient of its readers that are not tiled runs.
+    only the gradient of its readers that are not tiled runs. ``rebuild=True``: the tiled
+    runs that read the outputs do not keep them for their backward; the first of those
+    backwards runs this run's forward again, and the others share what it made (NOTE
+    [ Rebuilt tiled outputs ]): less memory between the forward and those backwards, one
+    forward more.
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
@@ -735,9 +822,17 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
             outs = tuple(run.forward(list(inputs)))
     else:
         slots = tuple(GradSlot() for _ in run.trace.outputs) if share_grads else None
+        source = None
+        if rebuild:
+            if host:
+                raise TilingError("A tiled run's outputs are kept in host memory or "
+                                  "rebuilt, not both: give host=True or rebuild=True.")
+            source = run.__dict__["_rebuild"] = Rebuild(run)
         outs = _TiledFunction.apply(run, len(inputs), slots, *inputs, *params)
         for out, slot in zip(outs, slots or ()):
             setattr(out, GRAD_SLOT, slot)
+        for k, out in enumerate(outs if source is not None else ()):
+            setattr(out, REBUILT, (source, k))
     if host:
         for out in outs:
             mark_host(out)

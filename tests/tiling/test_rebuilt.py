@@ -1,0 +1,152 @@
+"""Rebuilt tiled outputs (NOTE [ Rebuilt tiled outputs ] in runtime/tiling/tiled.py): the
+tiled readers of an output do not keep it; the first of their backwards runs its forward
+again. Bitwise the stored output's step, and the output absent between."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat3d
+from remat3d.instrument.tracker import MemoryTracker
+from remat3d.errors import PlanError
+from remat3d.planspec import Plan, Region
+from remat3d.runtime.tiling.trace import TilingError
+
+
+def _modules(device: str = "cpu", batch_norm: bool = False,
+             dtype: torch.dtype = torch.float64) -> list[nn.Module]:
+    torch.manual_seed(0)
+    norm: nn.Module = nn.BatchNorm3d(6) if batch_norm else nn.InstanceNorm3d(6, affine=True)
+    stem = nn.Sequential(nn.Conv3d(1, 6, 3, padding=1), norm, nn.LeakyReLU(0.01))
+    a = nn.Sequential(nn.Conv3d(6, 2, 3, padding=1), nn.InstanceNorm3d(2, affine=True),
+                      nn.LeakyReLU(0.01))
+    b = nn.Sequential(nn.Conv3d(6, 2, 3, stride=2, padding=1), nn.InstanceNorm3d(2),
+                      nn.ReLU())
+    # untiled work between the readers' forwards and their backwards (the decoder's)
+    heavy = nn.Sequential(nn.Conv3d(2, 16, 3, padding=1), nn.ReLU(), nn.Conv3d(16, 2, 1))
+    return [m.to(device, dtype) for m in (stem, a, b, heavy)]
+
+
+def _step(mods: list[nn.Module], x: torch.Tensor, *, rebuild: bool | None,
+          plain_reader: bool = False, stash: str | None = None) -> torch.Tensor:
+    """The loss; ``rebuild`` None: untiled."""
+    stem, a, b, heavy = mods
+    if rebuild is None:
+        s = stem(x)
+        ya, yb = a(s), b(s)
+    else:
+        s = remat3d.tile(stem, x, tile=5, share_grads=True, rebuild=rebuild, stash=stash)
+        ya, yb = remat3d.tile(a, s, tile=4), remat3d.tile(b, s, tile=3)
+    y = heavy(ya) * 2 + nn.functional.interpolate(yb, scale_factor=2)
+    return y.square().sum() + (s.sin().sum() if plain_reader else 0)
+
+
+def _grads(mods: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    out = [x.grad.clone(), *(p.grad.clone() for m in mods for p in m.parameters())]
+    x.grad = None
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("plain_reader", [False, True])
+@pytest.mark.parametrize("stash", [None, "device"])
+def test_rebuilt_outputs_give_the_stored_outputs_gradients_bitwise(
+        plain_reader: bool, stash: str | None) -> None:
+    """Bitwise the step with the output stored (a tiled run is deterministic), and the
+    untiled step's up to rounding (float64); a reader outside the tiled runs keeps it."""
+    mods = _modules()
+    x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+    results = {}
+    for rebuild in (None, False, True):
+        _step(mods, x, rebuild=rebuild, plain_reader=plain_reader, stash=stash).backward()
+        results[rebuild] = _grads(mods, x)
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
+    for got, want in zip(results[True], results[None]):
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_running_statistics_and_counters_change_once() -> None:
+    """A BatchNorm in the rebuilt run: its running statistics and num_batches_tracked are
+    those of the stored output's step (the rebuild restores what it changes)."""
+    buffers = []
+    for rebuild in (False, True):
+        mods = _modules(batch_norm=True)
+        x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+        _step(mods, x, rebuild=rebuild).backward()
+        buffers.append([b.clone() for b in mods[0].buffers()])
+    assert int(buffers[1][-1]) == 1
+    for got, want in zip(*buffers):
+        assert torch.equal(got, want)
+
+
+def test_backward_twice_with_retain_graph_rebuilds_again() -> None:
+    mods = _modules()
+    x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+    loss = _step(mods, x, rebuild=True)
+    loss.backward(retain_graph=True)
+    first = _grads(mods, x)
+    loss.backward()
+    for got, want in zip(_grads(mods, x), first):
+        assert torch.equal(got, want)
+
+
+def test_rebuilt_outputs_cannot_also_live_in_host_memory() -> None:
+    stem = _modules()[0]
+    x = torch.randn(1, 1, 8, 8, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TilingError, match="host=True or rebuild=True"):
+        remat3d.tile(stem, x, tile=4, host=True, rebuild=True)
+
+
+def _meta_peak(rebuild: bool) -> tuple[int, float]:
+    mods = _modules("meta", dtype=torch.float32)
+    x = torch.empty(1, 1, 32, 32, 32, device="meta")
+    with MemoryTracker("meta") as tracker:
+        tracker.register(list(nn.ModuleList(mods).parameters()), "param")
+        tracker.register(x, "input")
+        loss = _step(mods, x, rebuild=rebuild)
+        tracker.phase = "backward"
+        loss.backward()
+    return tracker.peak_bytes, sum(tracker.flops.values())
+
+
+def test_on_meta_the_output_is_absent_until_its_readers_backward() -> None:
+    """The peak (in the untiled heavy block's backward, between the readers' forwards and
+    their backwards) is lower by the whole output; the price is the run's forward again."""
+    skip = 6 * 32 ** 3 * 4
+    (stored, stored_flops), (rebuilt, rebuilt_flops) = _meta_peak(False), _meta_peak(True)
+    assert stored - rebuilt >= skip
+    assert rebuilt_flops > stored_flops
+
+
+class _Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.a, self.b, self.heavy = _modules()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stem(x)
+        return self.heavy(self.a(s)) * 2 + nn.functional.interpolate(self.b(s),
+                                                                     scale_factor=2)
+
+
+def test_a_plan_rebuilds_a_tiled_output() -> None:
+    """Region(rebuild=True): the planned step's gradients are the step's with the output
+    stored, bitwise; the plan says so when printed, and a rebuilt host output is refused."""
+    x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64)
+    grads = []
+    for rebuild in (False, True):
+        model = _Skip()
+        plan = Plan(regions=[Region("stem", decision="tile", tile=[4, 5, 3], rebuild=rebuild),
+                             *(Region(m, decision="tile", tile=[4, 4, 4]) for m in "ab")])
+        remat3d.apply(model, plan)
+        model(x).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+    assert "output rebuilt" in plan.summary()
+    with pytest.raises(PlanError, match="rebuild applies"):
+        Region("stem", decision="tile", tile=[4], host=True, rebuild=True).check()
