@@ -38,11 +38,14 @@ SELECTIVE_POLICY = "save-compute-heavy"
 
 class TiledOutput(str, Enum):
     """Where a tiled region's output lives: written out on the device, never stored
-    (``Region.fuse``: tiled readers recompute it), or kept in host memory (``Region.host``)."""
+    (``Region.fuse``: tiled readers recompute it), kept in host memory (``Region.host``),
+    or on the device until its readers' forwards are done and made again in each of
+    their backwards (``Region.rebuild``)."""
 
     DEVICE = "device"
     FUSED = "fused"
     HOST = "host"
+    REBUILT = "rebuilt"
 
     def __str__(self) -> str:
         return self.value

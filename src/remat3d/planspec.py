@@ -68,10 +68,9 @@ class Region:
             order in the region's run (0 the first; a fused producer's come first);
             ``None``: every one that may.
         rebuild: a ``"tile"`` region whose output its tiled readers do not keep for their
-            backward: the first of those backwards runs the region's forward again and
-            the others share it (NOTE [ Rebuilt tiled outputs ] in
-            ``runtime/tiling/tiled.py``): one forward more, the output absent from the
-            end of the forward until then.
+            backward: each of those backwards runs the region's forward again (NOTE
+            [ Rebuilt tiled outputs ] in ``runtime/tiling/tiled.py``): one forward more
+            per reader, the output whole only inside their backwards.
     """
 
     module: str

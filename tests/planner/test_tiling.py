@@ -67,11 +67,13 @@ def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # 
     # with host memory allowed: "host" keeps every output that only tiled stages read
     # (the skip, read by the encoder's "down" and the decoder's "up"; the decoder's output,
     # read by the head) in host memory; "chain+host" fuses the chain and keeps the rest
-    # there. In a level: none, host, chain, chain+host; full fusion ("all", recomputing
-    # the skip in both readers) after every other layout of every level.
+    # there; "rebuild" and "chain+rebuild" likewise rebuild them in each reader's
+    # backward. In a level: none, host, chain, chain+host, rebuild, chain+rebuild; full
+    # fusion ("all", recomputing the skip in both readers) after every other layout of
+    # every level.
     with_host = layouts(graph, stages, [True] * len(names), tiles=(16,), host=True)
     order = [lay.fuse for lay in with_host if lay.depth == 1]
-    assert order == ["none", "host", "chain", "chain+host", "all"]
+    assert order == ["none", "host", "chain", "chain+host", "rebuild", "chain+rebuild", "all"]
     first_all = [lay.fuse for lay in with_host].index("all")
     assert all(lay.fuse == "all" for lay in with_host[first_all:])
     assert {lay.depth for lay in with_host[:first_all]} == {1, 2}
@@ -81,6 +83,10 @@ def test_layouts_fuse_what_only_tiled_stages_read(graph_and_stages) -> None:  # 
                                "head": "device"}
     assert outputs["chain+host"] == {"stem": "host", "down": "device", "up": "fused",
                                      "head": "device"}
+    assert outputs["rebuild"] == {"stem": "rebuilt", "down": "device", "up": "rebuilt",
+                                  "head": "device"}
+    assert outputs["chain+rebuild"] == {"stem": "rebuilt", "down": "device", "up": "fused",
+                                        "head": "device"}
     # a stage whose output is at half resolution gets half the tile
     lay = by[(1, "none")]
     assert lay.tiled[names.index("down")][0] == (8, 8, 8)

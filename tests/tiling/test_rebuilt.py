@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import remat3d
-from remat3d.instrument.tracker import MemoryTracker
 from remat3d.errors import PlanError
+from remat3d.instrument.tracker import MemoryTracker
 from remat3d.planspec import Plan, Region
 from remat3d.runtime.tiling.trace import TilingError
 
@@ -150,3 +150,28 @@ def test_a_plan_rebuilds_a_tiled_output() -> None:
     assert "output rebuilt" in plan.summary()
     with pytest.raises(PlanError, match="rebuild applies"):
         Region("stem", decision="tile", tile=[4], host=True, rebuild=True).check()
+
+
+def test_a_rebuilt_run_reading_a_rebuilt_output_rebuilds_it_for_itself() -> None:
+    """Two levels: the half-resolution output is rebuilt from the full-resolution one,
+    itself rebuilt (rule 5); a reader of both rebuilds the full-resolution one once for
+    both. Bitwise the stored outputs' step."""
+    torch.manual_seed(0)
+    stem, a, _, heavy = _modules()
+    down = nn.Sequential(nn.Conv3d(6, 4, 3, stride=2, padding=1),
+                         nn.InstanceNorm3d(4, affine=True), nn.ReLU()).double()
+    both = nn.Conv3d(10, 2, 3, padding=1).double()
+    mods = [stem, a, down, both, heavy]
+    x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+
+    def step(rebuild: bool) -> list[torch.Tensor]:
+        s0 = remat3d.tile(stem, x, tile=5, share_grads=True, rebuild=rebuild)
+        s1 = remat3d.tile(down, s0, tile=3, share_grads=True, rebuild=rebuild)
+        r1 = remat3d.tile(lambda u, v: both(torch.cat(
+            [u, nn.functional.interpolate(v, scale_factor=2)], 1)), s0, s1, tile=4)
+        y = heavy(remat3d.tile(a, s0, tile=4)) + r1
+        y.square().sum().backward()
+        return _grads(mods, x)
+
+    for got, want in zip(step(True), step(False)):
+        assert torch.equal(got, want)

@@ -240,7 +240,8 @@ def budget_rows(model_name: str, budgets: Sequence[str], size: int = 512,
                      "flops": 1 + (plan.extra_flops or 0) / (plan.step_flops or 1),
                      "tiled": ", ".join(
                          f"{r.module} {'x'.join(map(str, r.tile or []))}"
-                         + (" fused" if r.fuse else " host" if r.host else "")
+                         + (" fused" if r.fuse else " host" if r.host else
+                            " rebuilt" if r.rebuild else "")
                          + (f" stash {r.stash}" if r.stash else "")
                          + (f" (norms {','.join(map(str, r.stash_norms))})"
                             if r.stash_norms is not None else "")

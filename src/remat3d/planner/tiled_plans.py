@@ -50,6 +50,7 @@ def layout_regions(stages: StageModel, layout: Layout,
             regions.append(Region(st.name, calls=[st.call_index], decision=Decision.TILE,
                                   tile=list(size), fuse=output == TiledOutput.FUSED,
                                   host=output == TiledOutput.HOST,
+                                  rebuild=output == TiledOutput.REBUILT,
                                   stash=None if output == TiledOutput.FUSED else stash))
         elif ok[st.index]:
             regions.append(Region(st.name, calls=[st.call_index]))
@@ -60,7 +61,7 @@ def at_least_as_frugal(a: Layout, b: Layout) -> bool:
     """Whether ``a`` keeps no more on the device than ``b`` (NOTE [ Tiling layouts ] rule
     6): the same stages, of the same sweep, each in a tile no larger than ``b``'s (the
     same whole tensors, a smaller working set per tile), each output where ``b`` has it
-    or, where ``b`` stores it on the device, in host memory. (Not fused: a fused output
+    or, where ``b`` stores it on the device, in host memory or rebuilt. (Not fused: a fused output
     is recomputed inside its readers' tiles, which hold more at a time; at small volumes
     that peak is the higher one.)"""
     if a.tiled.keys() != b.tiled.keys() or (a.fine != b.fine and "all" in (a.fuse, b.fuse)):
@@ -68,7 +69,8 @@ def at_least_as_frugal(a: Layout, b: Layout) -> bool:
     for s, (size, out) in a.tiled.items():
         size_b, out_b = b.tiled[s]
         if any(x > y for x, y in zip(size, size_b)) or not (
-                out == out_b or (out == TiledOutput.HOST and out_b == TiledOutput.DEVICE)):
+                out == out_b or (out in (TiledOutput.HOST, TiledOutput.REBUILT)
+                                 and out_b == TiledOutput.DEVICE)):
             return False
     return True
 
@@ -226,8 +228,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
 
 def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Check,
                         saves: list[float]) -> Plan:
-    """A tiled plan's fused and host-resident outputs stored on the device where the
-    verified peak still fits (NOTE [ Tiling layouts ] rule 8), the largest expected
+    """A tiled plan's fused, rebuilt and host-resident outputs stored on the device where
+    the verified peak still fits (NOTE [ Tiling layouts ] rule 8), the largest expected
     saving first.
 
     A layout fuses or hosts its tiled outputs all alike (rule 3), and the first layout
@@ -237,34 +239,38 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
     computed once; a host output stored on the device is not copied to the host and back.
     Fused outputs are tried by ``saves`` (per stage index, ``tiling.storing_saves``),
     largest first, those expected to save nothing not at all, and stored where that
-    lowers the extra FLOPs; then host outputs, stored where the FLOPs do not grow. A
+    lowers the extra FLOPs; then rebuilt outputs (the costliest run first: storing saves
+    its forward again), likewise; then host outputs, stored where the FLOPs do not grow. A
     trial is verified only when the output (stored, a whole tensor on the device) fits
     the room the budget has left above the verified peak, by the stage model's bytes.
     """
     steps = [(r, st) for r, st in staged_regions(best, stages)
-             if r.decision == Decision.TILE and (r.fuse or r.host)
-             and (r.host or saves[st.index] > 0)]
-    # fused first, the largest saving first; then host outputs, the largest first
-    steps.sort(key=lambda pair: (pair[0].host, -saves[pair[1].index], -pair[1].output_bytes,
-                                 pair[1].index))
+             if r.decision == Decision.TILE and (r.fuse or r.host or r.rebuild)
+             and (r.host or r.rebuild or saves[st.index] > 0)]
+    # fused first, the largest saving first; then rebuilt outputs, the costliest run
+    # first; then host outputs, the largest first
+    steps.sort(key=lambda pair: (pair[0].host, pair[0].rebuild, -saves[pair[1].index],
+                                 -pair[1].fwd_flops, -pair[1].output_bytes, pair[1].index))
 
     def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
         region, st = step
         # the output, whole from its forward to its readers' backward (its gradient, whole
         # too, need not be alive at the peak: ResEnc-L at 512³, 24 GiB, stores a 2 GiB
-        # output for 0.95 GiB more)
-        added = st.output_bytes
+        # output for 0.95 GiB more); a rebuilt output is whole in its readers' backwards
+        # already, so what storing it adds is not bounded by its bytes: measured
+        added = 0 if region.rebuild else st.output_bytes
         if added > budget - (current.verified_peak_bytes or 0):
             log.info("%s: its output (%s) does not fit the room left; not stored", region.label,
                      format_bytes(added))
             return
         log.info("trying %s with its output stored on the device", region.label)
-        yield check(_replaced(current, region, fuse=False, host=False))
+        yield check(_replaced(current, region, fuse=False, host=False, rebuild=False))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         if (candidate.verified_peak_bytes or 0) > budget:
             return False
-        stored = sum(r.fuse for r in candidate.regions) < sum(r.fuse for r in current.regions)
+        stored = sum(r.fuse or r.rebuild for r in candidate.regions) < \
+            sum(r.fuse or r.rebuild for r in current.regions)
         return extra_cost(candidate) < extra_cost(current) if stored else \
             extra_cost(candidate) <= extra_cost(current)
 

@@ -26,6 +26,12 @@ NOTE [ Tiling layouts ]
      tiled in host memory (NOTE [ Host-resident tiled outputs ]: the output and its
      gradient leave the device, nothing is recomputed, the price is copies);
      ``"chain+host"`` fuses as ``"chain"`` does and keeps the other such outputs there.
+     ``"rebuild"`` stores the output of every tiled stage whose readers are all tiled
+     only until its readers' forwards are done, and each reader's backward runs the
+     stage's forward again (NOTE [ Rebuilt tiled outputs ]: a U-Net's skips are then
+     absent through the decoder's backward, where the readers' backwards are far apart,
+     for a forward per reader); ``"chain+rebuild"`` fuses as ``"chain"`` does and
+     rebuilds the other such outputs.
   4. Stages that are not tiled are recomputed (regions that keep only their inputs); the
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
@@ -33,7 +39,8 @@ NOTE [ Tiling layouts ]
      (``planner/tiled_plans.py``, ``prune_tiled``). So a tiled plan mixes tile /
      recompute / keep.
   5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
-     ``host``, ``chain``, ``chain+host``; then ``all`` level by level; within each, larger
+     ``host``, ``chain``, ``chain+host``, ``rebuild``, ``chain+rebuild``; then ``all``
+     level by level; within each, larger
      tiles first; the fine sweep (below) after the coarse one, in each of the two parts.
      Full fusion comes last because it recomputes a stage with normalisations in every
      reader's run (each normalisation costs a pass over the run: nnU-Net at 512³, ``all``
@@ -86,9 +93,12 @@ NOTE [ Tiling layouts ]
      run; one fused into a single reader without normalisations, a 1x1 head, saves
      nothing by being stored and is left fused); then each host-resident output is
      stored on the device where it fits (no copies, the same FLOPs)
-     (``planner/tiled_plans.py``, ``store_tiled_outputs``). nnU-Net v2 at 512³ bf16,
-     24 GiB, no offload: the ``fuse all`` layout at 16.00 GiB and 5.0x the FLOPs
-     became its decoder's two top stages stored.
+     (``planner/tiled_plans.py``, ``store_tiled_outputs``), and so is each rebuilt
+     output (no rebuilds: fewer FLOPs; the costliest stage first). nnU-Net v2 at 512³
+     bf16, 24 GiB, no offload: before rebuilt outputs, the ``fuse all`` layout at 16.00
+     GiB and 5.0x the FLOPs became its decoder's two top stages stored; now ``chain+
+     rebuild`` at an eighth of the edge (23.20 GiB, 3.5x) keeps its half-resolution
+     decoder stage's output stored and both encoder skips rebuilt.
   9. Then each tiled stage whose output is stored on the device is run whole instead
      (recomputed, like the layout's untiled stages) where the verified peak still fits
      and the extra FLOPs fall, the most normalisation passes saved first (a tiled stage
@@ -121,7 +131,8 @@ NOTE [ Tiling layouts ]
      FLOPs without stashes, 1.82x with; without offload, the top decoder run (the skip
      and the decoder stage fused into the head, four 8 GiB normalisation inputs)
      stashing its third alone: 3.62x -> 2.99x; the encoder's half-resolution run a second
-     one: 2.95x.
+     one: 2.95x. With rebuilt skips (rule 3) every run with normalisations stashes, the
+     top run its first normalisation's input alone: 2.50x at 23.84 GiB.
 """
 
 from __future__ import annotations
@@ -136,7 +147,8 @@ from remat3d.planner.stages import StageModel
 __all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "extend_layout", "layouts", "stage_at",
            "stage_levels", "stage_norms", "stage_readers", "storing_saves"]
 
-FUSE_MODES = ("none", "host", "chain", "chain+host", "all")  # rule 5's order in a level
+# rule 5's order in a level
+FUSE_MODES = ("none", "host", "chain", "chain+host", "rebuild", "chain+rebuild", "all")
 # where a tiled stage's output lives: stored on the device, fused into its readers, or
 # stored in host memory
 OUTPUTS = tuple(o.value for o in TiledOutput)
@@ -246,6 +258,8 @@ class _Facts:
                 output = TiledOutput.FUSED
             elif inner and fuse.endswith("host"):
                 output = TiledOutput.HOST
+            elif inner and fuse.endswith("rebuild"):
+                output = TiledOutput.REBUILT
             tiled[s] = (size, output)  # type: ignore[assignment]
         return tiled
 

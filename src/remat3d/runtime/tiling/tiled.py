@@ -85,25 +85,32 @@ NOTE [ Shared input gradients ]
      hence plans share; ``remat3d.tile`` does not unless asked.
 
 NOTE [ Rebuilt tiled outputs ]
-  ``rebuild=True`` (a plan's ``Region(rebuild=True)``): a tiled output that its readers
-  keep for their backwards long after its forward (a U-Net's half-resolution skip, read
-  by the encoder's next run at once and by the decoder late; both backwards come after
-  the decoder's top run's) need not be held through those backwards' predecessors.
+  ``rebuild=True`` (a plan's ``Region(rebuild=True)``): the tiled readers of a run's
+  outputs do not keep them for their backwards. A U-Net's skip is read by the encoder's
+  next run at once and by the decoder late, and both backwards come at the far ends of
+  the decoder's backward: stored, the skip is whole all that time.
   1. The outputs carry a :class:`Rebuild` (an attribute of the tensor object): the run
      and, once its forward ran, its autograd context (its saved inputs, which the run
      keeps for its own backward anyway; autograd runs that after every reader's).
-  2. A tiled run reading such an output does not save it for its backward; it counts
-     itself a reader. So the output is freed when the forward is done with it.
-  3. The first reader's backward to need it runs the producing run's forward again (its
-     passes, under ``recomputing()``, from those saved inputs, every tile restoring the
-     buffers it changed and the running statistics not updated again), and each later
-     reader takes the same tensors; once the last has taken them, only the backwards
-     running hold them. A tiled run is deterministic: the rebuilt outputs are bitwise the
-     forward's. With ``retain_graph`` a second backward rebuilds them again.
+  2. A tiled run reading such an output does not save it for its backward. So the
+     output is freed when the forward is done with it.
+  3. Each reader's backward runs the producing run's forward again (its passes, under
+     ``recomputing()``, from those saved inputs, every tile restoring the buffers it
+     changed, the running statistics not updated again; without stashes, which would be
+     whole beside the rest of the backward: the run's own forward and backward keep
+     theirs) and holds the outputs while it runs: they are whole only inside each
+     reader's backward, not between two readers' (the skip's two readers are far
+     apart). A tiled run is deterministic: the rebuilt outputs are bitwise the
+     forward's. ``retain_graph`` changes nothing.
   4. A reader that is not a tiled run (a recompute region, an op) keeps the output as it
      keeps any tensor: correct, and nothing saved while it does.
-  Cost: one forward of the producing run more; the output is absent from the end of the
-  forward until the first reader's backward.
+  5. A rebuilt run whose own inputs are rebuilt outputs (a decoder stage's input is the
+     skip of its level) rebuilds them for its rebuild. What one backward's inputs need
+     is rebuilt once: a reader of the full-resolution skip and of a decoder stage built
+     from the skip below (rebuilt from the full-resolution one) rebuilds that skip once
+     for both; the outputs made for the inputs alone go when the inputs are gathered.
+  Cost: one forward of the producing run per tiled reader (and per rebuild that needs
+  it, rule 5); the price in memory is the output inside each reader's backward only.
 """
 
 from __future__ import annotations
@@ -411,10 +418,16 @@ class TiledRun:
 
     def rebuild(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The outputs again, as :meth:`forward` made them (NOTE [ Rebuilt tiled outputs
-        ]): the same passes, every tile restoring the buffers it changed, and the running
-        statistics not updated a second time."""
-        with self._window("rebuild"):
-            return self._forward(inputs, rebuilding=True)
+        ]): the same passes without stashes, every tile restoring the buffers it changed,
+        and the running statistics not updated a second time."""
+        self.digest()  # (of the run as planned: its stashes included)
+        kept = self.stash, self.stash_nodes
+        self.stash, self.stash_nodes = None, {}  # rule 3: no stash while backward runs
+        try:
+            with self._window("rebuild"):
+                return self._forward(inputs, rebuilding=True)
+        finally:
+            self.stash, self.stash_nodes = kept
 
     def _forward(self, inputs: Sequence[torch.Tensor],
                  rebuilding: bool = False) -> list[torch.Tensor]:
@@ -698,8 +711,6 @@ class _TiledFunction(torch.autograd.Function):
         # inputs a rebuilt run made are not saved (NOTE [ Rebuilt tiled outputs ] rule 2)
         ctx.rebuilt = {i: made for i, x in enumerate(inputs)
                        if (made := getattr(x, REBUILT, None)) is not None}
-        for source, _ in ctx.rebuilt.values():
-            source.readers += 1
         ctx.save_for_backward(*[None if i in ctx.rebuilt else x for i, x in enumerate(inputs)])
         ctx.slots = slots  # this run's outputs' (NOTE [ Shared input gradients ] rule 2)
         ctx.read = [grad_slot(x) for x in inputs]  # its inputs' (rule 1)
@@ -723,12 +734,15 @@ class _TiledFunction(torch.autograd.Function):
         return (None, None, None, *dx, *dparams)
 
 
-def _saved_inputs(ctx: Any, count: bool = True) -> list[torch.Tensor]:
+def _saved_inputs(ctx: Any, made: dict[int, tuple[torch.Tensor, ...]] | None = None
+                  ) -> list[torch.Tensor]:
     """A tiled run's inputs in backward: those saved, and those rebuilt (NOTE [ Rebuilt
-    tiled outputs ] rule 3; ``count``: this is the reader's own backward taking them)."""
+    tiled outputs ] rules 3 and 5; ``made``: the outputs rebuilt so far for this
+    backward, by run)."""
+    made = {} if made is None else made
     inputs = list(ctx.saved_tensors)
     for i, (source, k) in ctx.rebuilt.items():
-        inputs[i] = source.take(k, count)
+        inputs[i] = source.make(k, made)
     return inputs
 
 
@@ -738,27 +752,22 @@ class Rebuild:
     def __init__(self, run: TiledRun) -> None:
         self.run = run
         self.ctx: Any = None  # the run's autograd context: its saved inputs (rule 3)
-        self.readers = 0      # tiled runs that read an output and did not save it
-        self.taken = 0
-        self.value: tuple[torch.Tensor, ...] | None = None
 
-    def take(self, k: int, count: bool = True) -> torch.Tensor:
-        """Output ``k``, rebuilt the first time a reader's backward needs it and held
-        until every reader has taken it (rule 3)."""
-        if self.value is None:
-            if self.ctx is None:
-                raise RuntimeError("A rebuilt tiled output was read before its run's "
-                                   "forward finished.")
-            inputs = _saved_inputs(self.ctx, count=False)
+    def make(self, k: int, made: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """Output ``k``, the run's forward made again, or taken from ``made`` where a
+        rebuild for the same backward made it already (rule 5); the caller holds it."""
+        if self.ctx is None:
+            raise RuntimeError("A rebuilt tiled output was read before its run's forward "
+                               "finished.")
+        outs = made.get(id(self))
+        if outs is None:
+            inputs = _saved_inputs(self.ctx, made)
             with torch.no_grad(), recomputing(), self.ctx.amp.restore(), \
                     _restoring_buffers():
-                self.value = tuple(self.run.rebuild([x.detach() for x in inputs]))
-        out = self.value[k]
-        if count:
-            self.taken += 1
-            if self.taken >= self.readers:  # the last reader: only it holds them now
-                self.value, self.taken = None, 0
-        return out
+                outs = made[id(self)] = tuple(self.run.rebuild([x.detach()
+                                                                for x in inputs]))
+            del inputs
+        return outs[k]
 
 
 def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor | None:
@@ -799,10 +808,9 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     into one tensor per output instead of one each (NOTE [ Shared input gradients ]);
     then a tensor hook on an output, or ``torch.autograd.grad`` with respect to it, sees
     only the gradient of its readers that are not tiled runs. ``rebuild=True``: the tiled
-    runs that read the outputs do not keep them for their backward; the first of those
-    backwards runs this run's forward again, and the others share what it made (NOTE
-    [ Rebuilt tiled outputs ]): less memory between the forward and those backwards, one
-    forward more.
+    runs that read the outputs do not keep them for their backward; each of those
+    backwards runs this run's forward again (NOTE [ Rebuilt tiled outputs ]): the outputs
+    are whole only inside those backwards, at one forward more per reader.
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
