@@ -71,6 +71,9 @@ class Region:
             backward: each of those backwards runs the region's forward again (NOTE
             [ Rebuilt tiled outputs ] in ``runtime/tiling/tiled.py``): one forward more
             per reader, the output whole only inside their backwards.
+        hand_inputs: with ``rebuild``, the last reader's rebuild hands the inputs it
+            rebuilt (rebuilt outputs of other regions) to this region's own backward
+            instead of letting them go (rule 6 of the same NOTE): one rebuild fewer.
     """
 
     module: str
@@ -85,6 +88,7 @@ class Region:
     stash: str | None = None
     stash_norms: list[int] | None = None
     rebuild: bool = False
+    hand_inputs: bool = False
 
     @property
     def label(self) -> str:
@@ -131,6 +135,9 @@ class Region:
                             f"output is stored on the device (decision 'tile', neither fuse "
                             f"nor host); got decision {self.decision!r}, fuse {self.fuse}, "
                             f"host {self.host}.")
+        if self.hand_inputs and not self.rebuild:
+            raise PlanError(f"Region {self.label}: hand_inputs applies to rebuilt tiled "
+                            f"regions (rebuild True) only.")
         if self.stash is not None and (self.decision != Decision.TILE
                                        or self.stash not in ("device", "host")):
             raise PlanError(f"Region {self.label}: stash is 'device' or 'host' and applies "
@@ -311,6 +318,8 @@ class Plan:
                 extra += " output on host"
             if region.rebuild:
                 extra += " output rebuilt"
+            if region.hand_inputs:
+                extra += " (inputs handed on)"
             if region.stash:
                 extra += f" stash on {region.stash}"
             if region.stash_norms is not None:

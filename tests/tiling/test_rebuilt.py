@@ -150,28 +150,56 @@ def test_a_plan_rebuilds_a_tiled_output() -> None:
     assert "output rebuilt" in plan.summary()
     with pytest.raises(PlanError, match="rebuild applies"):
         Region("stem", decision="tile", tile=[4], host=True, rebuild=True).check()
+    with pytest.raises(PlanError, match="hand_inputs applies"):
+        Region("stem", decision="tile", tile=[4], hand_inputs=True).check()
 
 
-def test_a_rebuilt_run_reading_a_rebuilt_output_rebuilds_it_for_itself() -> None:
+def _two_levels(device: str = "cpu", dtype: torch.dtype = torch.float64) -> list[nn.Module]:
+    stem, a, _, heavy = _modules(device, dtype=dtype)
+    torch.manual_seed(1)
+    down = nn.Sequential(nn.Conv3d(6, 4, 3, stride=2, padding=1),
+                         nn.InstanceNorm3d(4, affine=True), nn.ReLU()).to(device, dtype)
+    both = nn.Conv3d(10, 2, 3, padding=1).to(device, dtype)
+    return [stem, a, down, both, heavy]
+
+
+def _two_level_loss(mods: list[nn.Module], x: torch.Tensor, rebuild: bool,
+                    hand: bool = False) -> torch.Tensor:
+    """A skip at full resolution (read by ``a`` and ``both``) and one at half resolution
+    made from it (read by ``both``)."""
+    stem, a, down, both, heavy = mods
+    s0 = remat3d.tile(stem, x, tile=5, share_grads=True, rebuild=rebuild)
+    s1 = remat3d.tile(down, s0, tile=3, share_grads=True, rebuild=rebuild, hand_inputs=hand)
+    r1 = remat3d.tile(lambda u, v: both(torch.cat(
+        [u, nn.functional.interpolate(v, scale_factor=2)], 1)), s0, s1, tile=4)
+    y = heavy(remat3d.tile(a, s0, tile=4)) + r1
+    return y.square().sum()
+
+
+@pytest.mark.parametrize("hand", [False, True])
+def test_a_rebuilt_run_reading_a_rebuilt_output_rebuilds_it_for_itself(hand: bool) -> None:
     """Two levels: the half-resolution output is rebuilt from the full-resolution one,
     itself rebuilt (rule 5); a reader of both rebuilds the full-resolution one once for
-    both. Bitwise the stored outputs' step."""
-    torch.manual_seed(0)
-    stem, a, _, heavy = _modules()
-    down = nn.Sequential(nn.Conv3d(6, 4, 3, stride=2, padding=1),
-                         nn.InstanceNorm3d(4, affine=True), nn.ReLU()).double()
-    both = nn.Conv3d(10, 2, 3, padding=1).double()
-    mods = [stem, a, down, both, heavy]
+    both; with ``hand_inputs`` the half-resolution run's own backward takes what its
+    reader's rebuild made (rule 6). Bitwise the stored outputs' step."""
+    mods = _two_levels()
     x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+    _two_level_loss(mods, x, rebuild=False).backward()
+    want = _grads(mods, x)
+    _two_level_loss(mods, x, rebuild=True, hand=hand).backward()
+    for got, ref in zip(_grads(mods, x), want):
+        assert torch.equal(got, ref)
 
-    def step(rebuild: bool) -> list[torch.Tensor]:
-        s0 = remat3d.tile(stem, x, tile=5, share_grads=True, rebuild=rebuild)
-        s1 = remat3d.tile(down, s0, tile=3, share_grads=True, rebuild=rebuild)
-        r1 = remat3d.tile(lambda u, v: both(torch.cat(
-            [u, nn.functional.interpolate(v, scale_factor=2)], 1)), s0, s1, tile=4)
-        y = heavy(remat3d.tile(a, s0, tile=4)) + r1
-        y.square().sum().backward()
-        return _grads(mods, x)
 
-    for got, want in zip(step(True), step(False)):
-        assert torch.equal(got, want)
+def test_on_meta_handed_inputs_save_a_rebuild() -> None:
+    flops = []
+    for hand in (False, True):
+        mods = _two_levels("meta", torch.float32)
+        x = torch.empty(1, 1, 32, 32, 32, device="meta", requires_grad=True)
+        with MemoryTracker("meta") as tracker:
+            tracker.register(list(nn.ModuleList(mods).parameters()), "param")
+            loss = _two_level_loss(mods, x, rebuild=True, hand=hand)
+            tracker.phase = "backward"
+            loss.backward()
+        flops.append(sum(tracker.flops.values()))
+    assert flops[1] < flops[0]

@@ -36,6 +36,7 @@ from remat3d.planner.tiled_plans import (
     extra_cost,
     first_fitting_layout,
     greedy_prune,
+    hand_rebuilt_inputs,
     prune_tiled,
     staged_regions,
     stash_where_room,
@@ -132,7 +133,7 @@ class _Search:
         assert self.p.verify is not None
         signature = (candidate.prefetch, candidate.rebuild_saved, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
-             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.rebuild, r.stash,
+             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.rebuild, r.hand_inputs, r.stash,
              tuple(r.stash_norms) if r.stash_norms is not None else None)
             for r in candidate.regions))
         if signature not in self.measured_plans:
@@ -245,6 +246,8 @@ class _Search:
                                           norms, readers, self.p.options.recomputable)
                 tiled = stash_where_room(tiled, self.budget, self.stages, self.check, norms,
                                          readers)
+                tiled = hand_rebuilt_inputs(tiled, self.budget, self.stages, self.check,
+                                            readers)
                 return prune_tiled(tiled, self.budget, self.stages, self.check)
             if not untiled:  # below the untiled floor: their smallest, for the error only
                 smallest = min(smallest, self.smallest_feasible())

@@ -21,8 +21,8 @@ from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
 __all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
-           "layout_regions", "prune_tiled", "staged_regions", "stash_where_room",
-           "store_tiled_outputs", "untile_where_room"]
+           "hand_rebuilt_inputs", "layout_regions", "prune_tiled", "staged_regions",
+           "stash_where_room", "store_tiled_outputs", "untile_where_room"]
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +451,30 @@ def _replaced(plan: Plan, region: Region, **changes: object) -> Plan:
     regions = [dataclasses.replace(r, **changes) if _same(r, region)  # type: ignore[arg-type]
                else r for r in plan.regions]
     return dataclasses.replace(plan, regions=regions, notes=list(plan.notes))
+
+
+def hand_rebuilt_inputs(best: Plan, budget: int, stages: StageModel, check: Check,
+                        readers: list[set[int | None]]) -> Plan:
+    """A tiled plan's rebuilt runs that read rebuilt outputs, each handing the inputs its
+    last reader's rebuild made to its own backward where the verified peak still fits
+    (NOTE [ Tiling layouts ] rule 11; ``Region.hand_inputs``): one rebuild of those inputs
+    fewer, for holding them across that reader's backward. Each trial is verified."""
+    staged = staged_regions(best, stages)
+    rebuilt = {st.index for r, st in staged if r.rebuild}
+    steps = [(r, st) for r, st in staged if r.rebuild and not r.hand_inputs and any(
+        st.index in readers[p] for p in rebuilt)]
+    steps.sort(key=lambda pair: (-pair[1].fwd_flops, pair[1].index))
+
+    def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
+        region, _ = step
+        log.info("trying %s handing its rebuilt inputs to its own backward", region.label)
+        yield check(_replaced(current, region, hand_inputs=True))
+
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        return (candidate.verified_peak_bytes or 0) <= budget and \
+            extra_cost(candidate) < extra_cost(current)
+
+    return greedy_prune(best, steps, trials, cheaper)
 
 
 def staged_regions(plan: Plan, stages: StageModel) -> list[tuple[Region, Stage]]:

@@ -133,6 +133,13 @@ NOTE [ Tiling layouts ]
      stashing its third alone: 3.62x -> 2.99x; the encoder's half-resolution run a second
      one: 2.95x. With rebuilt skips (rule 3) every run with normalisations stashes, the
      top run its first normalisation's input alone: 2.50x at 23.84 GiB.
+  11. Handed inputs: a rebuilt run that reads rebuilt outputs (the encoder's
+     half-resolution stage reads the full-resolution skip) rebuilds them for each of its
+     own readers' rebuilds and again for its own backward (NOTE [ Rebuilt tiled outputs
+     ] rule 5). After rule 10, each such run hands what its last reader's rebuild made
+     to its own backward (``Region.hand_inputs``, rule 6 there) where the verified peak
+     still fits and the FLOPs fall, the costliest run first; one verified trial each.
+     nnU-Net v2 at 512³ bf16, 24 GiB: 2.50x -> 2.42x at the same 23.84 GiB.
 """
 
 from __future__ import annotations

@@ -412,7 +412,7 @@ class _PlannedForward:
         with labelled(region.label):
             return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
                         stash_norms=region.stash_norms, share_grads=True,
-                        rebuild=region.rebuild)
+                        rebuild=region.rebuild, hand_inputs=region.hand_inputs)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

@@ -109,6 +109,13 @@ NOTE [ Rebuilt tiled outputs ]
      is rebuilt once: a reader of the full-resolution skip and of a decoder stage built
      from the skip below (rebuilt from the full-resolution one) rebuilds that skip once
      for both; the outputs made for the inputs alone go when the inputs are gathered.
+  6. ``hand_inputs=True``: a rebuilt run whose inputs are rebuilt outputs, and whose own
+     backward follows its last reader's (an encoder stage's, after the next encoder
+     stage's), keeps the inputs the last reader's rebuild made for its own backward
+     instead of rebuilding them there again: one rebuild fewer, the inputs whole across
+     that reader's backward. Whether that fits is the planner's to measure (NOTE
+     [ Tiling layouts ] rule 11); a reader's backward that never runs leaves them with
+     the run's autograd context.
   Cost: one forward of the producing run per tiled reader (and per rebuild that needs
   it, rule 5); the price in memory is the output inside each reader's backward only.
 """
@@ -711,6 +718,8 @@ class _TiledFunction(torch.autograd.Function):
         # inputs a rebuilt run made are not saved (NOTE [ Rebuilt tiled outputs ] rule 2)
         ctx.rebuilt = {i: made for i, x in enumerate(inputs)
                        if (made := getattr(x, REBUILT, None)) is not None}
+        for source, _ in ctx.rebuilt.values():
+            source.readers += 1
         ctx.save_for_backward(*[None if i in ctx.rebuilt else x for i, x in enumerate(inputs)])
         ctx.slots = slots  # this run's outputs' (NOTE [ Shared input gradients ] rule 2)
         ctx.read = [grad_slot(x) for x in inputs]  # its inputs' (rule 1)
@@ -722,7 +731,7 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        inputs = _saved_inputs(ctx)
+        inputs = _saved_inputs(ctx, own=True)
         needs = list(ctx.needs_input_grad[3:3 + ctx.n_inputs])
         run: TiledRun = ctx.run
         if ctx.slots is not None:
@@ -734,31 +743,47 @@ class _TiledFunction(torch.autograd.Function):
         return (None, None, None, *dx, *dparams)
 
 
-def _saved_inputs(ctx: Any, made: dict[int, tuple[torch.Tensor, ...]] | None = None
-                  ) -> list[torch.Tensor]:
+def _saved_inputs(ctx: Any, made: dict[int, tuple[torch.Tensor, ...]] | None = None,
+                  own: bool = False) -> list[torch.Tensor]:
     """A tiled run's inputs in backward: those saved, and those rebuilt (NOTE [ Rebuilt
-    tiled outputs ] rules 3 and 5; ``made``: the outputs rebuilt so far for this
-    backward, by run)."""
+    tiled outputs ] rules 3, 5 and 6; ``made``: the outputs rebuilt so far for this
+    backward, by run, None for a reader's own backward; ``own``: the run's own backward,
+    which takes the inputs its last reader's rebuild handed it)."""
+    handed = ctx.__dict__.pop("handed_inputs", None) if own else None
+    if handed is not None:
+        return handed
+    reader = made is None
     made = {} if made is None else made
     inputs = list(ctx.saved_tensors)
     for i, (source, k) in ctx.rebuilt.items():
-        inputs[i] = source.make(k, made)
+        inputs[i] = source.make(k, made, reader)
     return inputs
 
 
 class Rebuild:
     """Where a rebuilt run's outputs come from again (NOTE [ Rebuilt tiled outputs ])."""
 
-    def __init__(self, run: TiledRun) -> None:
+    def __init__(self, run: TiledRun, hand_inputs: bool = False) -> None:
         self.run = run
         self.ctx: Any = None  # the run's autograd context: its saved inputs (rule 3)
+        self.hand_inputs = hand_inputs  # rule 6
+        self.readers = 0      # the tiled runs that read an output without saving it
+        self.taken = 0        # readers' backwards that took one, this backward
 
-    def make(self, k: int, made: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    def make(self, k: int, made: dict[int, tuple[torch.Tensor, ...]],
+             reader: bool = False) -> torch.Tensor:
         """Output ``k``, the run's forward made again, or taken from ``made`` where a
-        rebuild for the same backward made it already (rule 5); the caller holds it."""
+        rebuild for the same backward made it already (rule 5); the caller holds it.
+        ``reader``: for a reader's own backward (not for another rebuild)."""
         if self.ctx is None:
             raise RuntimeError("A rebuilt tiled output was read before its run's forward "
                                "finished.")
+        last = False
+        if reader:
+            self.taken += 1
+            last = self.taken >= self.readers
+            if last:
+                self.taken = 0
         outs = made.get(id(self))
         if outs is None:
             inputs = _saved_inputs(self.ctx, made)
@@ -766,6 +791,8 @@ class Rebuild:
                     _restoring_buffers():
                 outs = made[id(self)] = tuple(self.run.rebuild([x.detach()
                                                                 for x in inputs]))
+            if last and self.hand_inputs and self.ctx.rebuilt:  # rule 6
+                self.ctx.handed_inputs = inputs
             del inputs
         return outs[k]
 
@@ -780,7 +807,8 @@ def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Ten
 def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
          host: bool = False, device: torch.device | str | None = None,
          stash: str | None = None, stash_norms: Sequence[int] | None = None,
-         share_grads: bool = False, rebuild: bool = False) -> Any:
+         share_grads: bool = False, rebuild: bool = False,
+         hand_inputs: bool = False) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -810,7 +838,9 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     only the gradient of its readers that are not tiled runs. ``rebuild=True``: the tiled
     runs that read the outputs do not keep them for their backward; each of those
     backwards runs this run's forward again (NOTE [ Rebuilt tiled outputs ]): the outputs
-    are whole only inside those backwards, at one forward more per reader.
+    are whole only inside those backwards, at one forward more per reader;
+    ``hand_inputs=True``: the last of those rebuilds hands the inputs it rebuilt to this
+    run's own backward (rule 6).
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
@@ -835,7 +865,7 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
             if host:
                 raise TilingError("A tiled run's outputs are kept in host memory or "
                                   "rebuilt, not both: give host=True or rebuild=True.")
-            source = run.__dict__["_rebuild"] = Rebuild(run)
+            source = run.__dict__["_rebuild"] = Rebuild(run, hand_inputs)
         outs = _TiledFunction.apply(run, len(inputs), slots, *inputs, *params)
         for out, slot in zip(outs, slots or ()):
             setattr(out, GRAD_SLOT, slot)
