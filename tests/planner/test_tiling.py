@@ -371,15 +371,19 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
 def test_the_fine_tile_is_a_second_sweep_before_full_fusion() -> None:
     """Rule 5: by default a half and a quarter of the volume's shortest edge, then the
     same order again with an eighth, for budgets the larger tiles cannot reach: the
-    layouts without full fusion in both sweeps, then full fusion in both (it costs more
-    than the halos of the smaller tiles)."""
+    layouts without full fusion or rebuilt outputs in both sweeps, then those with
+    rebuilt outputs in both, then full fusion in both (it costs more than the halos of
+    the smaller tiles)."""
     prof = profile(TinyUNet(), (1, 1, 128, 128, 128), device="meta")
     stages = build_stages(prof.graph)
     every = layouts(prof.graph, stages, [True] * len(stages.stages))
     assert {lay.tile for lay in every} == {64, 32, 16}
     full = [lay.fuse == "all" for lay in every]
     assert full == sorted(full)  # no partial fusion after full fusion
-    for part in ([lay for lay in every if lay.fuse != "all"],
+    rebuilt = ["rebuild" in lay.fuse for lay in every if lay.fuse != "all"]
+    assert rebuilt == sorted(rebuilt) and any(rebuilt)
+    for part in ([lay for lay in every if lay.fuse != "all" and "rebuild" not in lay.fuse],
+                 [lay for lay in every if "rebuild" in lay.fuse],
                  [lay for lay in every if lay.fuse == "all"]):
         fine = [lay.fine for lay in part]
         assert fine == sorted(fine) and any(fine)

@@ -15,8 +15,9 @@
   runs that never hold a full-resolution activation (see docs/tiling.md);
 - stored skip: nnU-Net v2's PlainConvUNet at 512³ bf16 without host memory, its
   full-resolution skip stored on the device (read by two tiled runs that share its
-  gradient, NOTE [ Shared input gradients ]) against recomputed in both readers: why a
-  24 GiB plan without offload recomputes the skip (docs/tiling.md);
+  gradient, NOTE [ Shared input gradients ]) against recomputed in both readers, and
+  the two outer skips rebuilt in each reader's backward (NOTE [ Rebuilt tiled outputs ]):
+  how a 24 GiB plan without offload gets by (docs/tiling.md);
 - budgets: ``remat3d.plan`` (``optimal``, bf16 autocast, meta) at each budget: the
   verified peak and the FLOPs should not rise as the budget does.
 """
@@ -163,14 +164,18 @@ def layout_rows(size: int, amp: str | None = "bf16", host: bool = False
 
 def _skip_regions(size: int, skip: str, top: int, tile_level2: bool) -> list[Any]:
     """nnU-Net v2's outer levels tiled (full-resolution tile ``size // 4``, the top decoder
-    run's ``top``), the skip stored or fused, every other stage recomputed."""
+    run's ``top``), the skip stored, fused, or rebuilt with the level-1 skip (``"rebuilt"``;
+    ``"handed"``: the level-1 stage also hands the skip it rebuilt to its own backward,
+    the encoder's level-1 reader tiled too), every other stage recomputed."""
     from remat3d.planspec import Region
 
     t = size // 4
+    rebuilt = skip in ("rebuilt", "handed")
     tiled = {
         "encoder.stages.0": Region("encoder.stages.0", decision="tile", tile=[t] * 3,
-                                   fuse=skip == "fused"),
-        "encoder.stages.1": Region("encoder.stages.1", decision="tile", tile=[t // 2] * 3),
+                                   fuse=skip == "fused", rebuild=rebuilt),
+        "encoder.stages.1": Region("encoder.stages.1", decision="tile", tile=[t // 2] * 3,
+                                   rebuild=rebuilt, hand_inputs=skip == "handed"),
         "decoder.@3": Region("decoder.@3", decision="tile", tile=[t // 2] * 3,
                              stash="device"),
         "decoder.@4": Region("decoder.@4", decision="tile", tile=[top] * 3, fuse=True),
@@ -180,6 +185,9 @@ def _skip_regions(size: int, skip: str, top: int, tile_level2: bool) -> list[Any
     if tile_level2:
         tiled["decoder.@2"] = Region("decoder.@2", decision="tile", tile=[t // 4] * 3,
                                      stash="device")
+    if rebuilt:  # the level-1 skip's encoder reader, tiled (else it would keep it)
+        tiled["encoder.stages.2"] = Region("encoder.stages.2", decision="tile",
+                                           tile=[t // 4] * 3)
     recomputed = [Region(name) for name in ("encoder.stages.2", "encoder.stages.3",
                                             "encoder.stages.4", "encoder.stages.5",
                                             "decoder.@0", "decoder.@1", "decoder.@2")
@@ -192,6 +200,8 @@ STORED_SKIP_SETUPS = [  # (label, skip, top decoder run's tile edge / size, leve
     ("skip stored", "stored", 4, False),
     ("skip stored, top decoder run in 8ths", "stored", 8, False),
     ("skip stored, top run in 8ths, decoder.@2 tiled", "stored", 8, True),
+    ("skips rebuilt, top run in 8ths, decoder.@2 tiled", "rebuilt", 8, True),
+    ("skips rebuilt and handed, top run in 8ths, decoder.@2 tiled", "handed", 8, True),
 ]
 
 

@@ -95,10 +95,11 @@ def _key(layout: Layout) -> tuple:
     return tuple(sorted(layout.tiled.items()))
 
 
-def _group(layout: Layout) -> tuple[bool, bool, int]:
-    """Rule 5's groups in their order: levels without full fusion, the fine sweep's after
-    the coarse one's; then with it, likewise."""
-    return layout.fuse == "all", layout.fine, layout.depth
+def _group(layout: Layout) -> tuple[bool, bool, bool, int]:
+    """Rule 5's groups in their order: levels without full fusion or rebuilt outputs, the
+    fine sweep's after the coarse one's; then with rebuilt outputs, likewise; then with
+    full fusion, likewise."""
+    return layout.fuse == "all", "rebuild" in layout.fuse, layout.fine, layout.depth
 
 
 def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
@@ -158,7 +159,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     def passed_over(layout: Layout) -> bool:
         return any(at_least_as_frugal(f, layout) for f in failed)
 
-    def repair(before: tuple[bool, bool, int] | None) -> Plan | None:
+    def repair(before: tuple[bool, bool, bool, int] | None) -> Plan | None:
         """Rule 7 for the pending layouts of groups before ``before`` (None: all)."""
         while pending and (before is None or _group(pending[0]) < before):
             parent = pending.pop(0)

@@ -39,9 +39,10 @@ NOTE [ Tiling layouts ]
      (``planner/tiled_plans.py``, ``prune_tiled``). So a tiled plan mixes tile /
      recompute / keep.
   5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
-     ``host``, ``chain``, ``chain+host``, ``rebuild``, ``chain+rebuild``; then ``all``
-     level by level; within each, larger
-     tiles first; the fine sweep (below) after the coarse one, in each of the two parts.
+     ``host``, ``chain``, ``chain+host``; then ``rebuild``, ``chain+rebuild`` level by
+     level (a rebuild costs a forward per reader: at 26-40 GiB nnU-Net v2's layouts
+     without it, repaired or in the fine sweep, cost less); then ``all`` level by level; within each, larger
+     tiles first; the fine sweep (below) after the coarse one, in each of the three parts.
      Full fusion comes last because it recomputes a stage with normalisations in every
      reader's run (each normalisation costs a pass over the run: nnU-Net at 512³, ``all``
      at one level costs 3.5x the FLOPs, two levels of ``none`` 2.5x); ``host`` copies
@@ -305,11 +306,15 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
         sweeps = [(coarse, False), (fine, True)]
     out: list[Layout] = []
     seen: set[tuple] = set()
-    # rule 5: level by level without full fusion, every sweep; then full fusion
+    # rule 5: level by level without full fusion or rebuilds, every sweep; then with
+    # rebuilds; then full fusion
     partial = [(depth, fuse) for depth in range(1, max_depth + 1)
-               for fuse in FUSE_MODES if fuse != "all"]
+               for fuse in FUSE_MODES if fuse != "all" and "rebuild" not in fuse]
+    rebuilt = [(depth, fuse) for depth in range(1, max_depth + 1)
+               for fuse in FUSE_MODES if "rebuild" in fuse]
     full = [(depth, "all") for depth in range(1, max_depth + 1)]
-    for (sizes, fine_), order in [(sweep, o) for o in (partial, full) for sweep in sweeps]:
+    for (sizes, fine_), order in [(sweep, o) for o in (partial, rebuilt, full)
+                                  for sweep in sweeps]:
         for depth, fuse in order:
             chosen = [s for s, lv in enumerate(facts.levels)
                       if lv is not None and lv < depth and tileable[s]
