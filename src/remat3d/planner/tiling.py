@@ -41,8 +41,9 @@ NOTE [ Tiling layouts ]
   5. Expected cost order (cheapest first): level by level (fewer levels first), ``none``,
      ``host``, ``chain``, ``chain+host``; then ``rebuild``, ``chain+rebuild`` level by
      level (a rebuild costs a forward per reader: at 26-40 GiB nnU-Net v2's layouts
-     without it, repaired or in the fine sweep, cost less); then ``all`` level by level; within each, larger
-     tiles first; the fine sweep (below) after the coarse one, in each of the three parts.
+     without it, repaired or in the fine sweep, cost less); then ``all`` level by level;
+     within each, larger tiles first; the fine sweep (below) after the coarse one, in
+     each of the three parts.
      Full fusion comes last because it recomputes a stage with normalisations in every
      reader's run (each normalisation costs a pass over the run: nnU-Net at 512³, ``all``
      at one level costs 3.5x the FLOPs, two levels of ``none`` 2.5x); ``host`` copies
