@@ -94,11 +94,15 @@ def test_backward_twice_with_retain_graph_rebuilds_again() -> None:
         assert torch.equal(got, want)
 
 
-def test_rebuilt_outputs_cannot_also_live_in_host_memory() -> None:
+def test_rebuilt_outputs_cannot_also_live_in_host_memory_and_only_they_hand_inputs() -> None:
     stem = _modules()[0]
     x = torch.randn(1, 1, 8, 8, 8, dtype=torch.float64, requires_grad=True)
     with pytest.raises(TilingError, match="host=True or rebuild=True"):
         remat3d.tile(stem, x, tile=4, host=True, rebuild=True)
+    with pytest.raises(TilingError, match="host=True or rebuild=True"), torch.no_grad():
+        remat3d.tile(stem, x, tile=4, host=True, rebuild=True)
+    with pytest.raises(TilingError, match="give rebuild=True too"):
+        remat3d.tile(stem, x, tile=4, hand_inputs=True)
 
 
 def _meta_peak(rebuild: bool) -> tuple[int, float]:

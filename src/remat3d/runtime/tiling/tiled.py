@@ -850,6 +850,12 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     >>> torch.allclose(y, block(x), atol=1e-5)
     True
     """
+    if rebuild and host:
+        raise TilingError("A tiled run's outputs are kept in host memory or rebuilt, not "
+                          "both: give host=True or rebuild=True.")
+    if hand_inputs and not rebuild:
+        raise TilingError("hand_inputs=True hands a rebuilt run's rebuilt inputs to its "
+                          "own backward; give rebuild=True too.")
     run = TiledRun(fn, inputs, tile, host_outputs=host, stash=stash, stash_norms=stash_norms,
                    device=None if device is None else torch.device(device))
     params = [p for p in run.trace.params if p.requires_grad]
@@ -862,9 +868,6 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
         slots = tuple(GradSlot() for _ in run.trace.outputs) if share_grads else None
         source = None
         if rebuild:
-            if host:
-                raise TilingError("A tiled run's outputs are kept in host memory or "
-                                  "rebuilt, not both: give host=True or rebuild=True.")
             source = run.__dict__["_rebuild"] = Rebuild(run, hand_inputs)
         outs = _TiledFunction.apply(run, len(inputs), slots, *inputs, *params)
         for out, slot in zip(outs, slots or ()):
