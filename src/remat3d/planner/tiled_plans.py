@@ -265,7 +265,8 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
                      format_bytes(added))
             return
         log.info("trying %s with its output stored on the device", region.label)
-        yield check(_replaced(current, region, fuse=False, host=False, rebuild=False))
+        yield check(_replaced(current, region, fuse=False, host=False, rebuild=False,
+                              hand_inputs=False))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         if (candidate.verified_peak_bytes or 0) > budget:
