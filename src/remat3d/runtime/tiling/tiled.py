@@ -708,8 +708,8 @@ class _TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, run: TiledRun, n_inputs: int,  # type: ignore[override]
-                slots: tuple[GradSlot, ...] | None, *tensors: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
+                slots: tuple[GradSlot, ...] | None, source: Rebuild | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         ctx.run = run
         ctx.n_inputs = n_inputs
@@ -718,13 +718,12 @@ class _TiledFunction(torch.autograd.Function):
         # inputs a rebuilt run made are not saved (NOTE [ Rebuilt tiled outputs ] rule 2)
         ctx.rebuilt = {i: made for i, x in enumerate(inputs)
                        if (made := getattr(x, REBUILT, None)) is not None}
-        for source, _ in ctx.rebuilt.values():
-            source.readers += 1
+        for producer, _ in ctx.rebuilt.values():
+            producer.readers += 1
         ctx.save_for_backward(*[None if i in ctx.rebuilt else x for i, x in enumerate(inputs)])
         ctx.slots = slots  # this run's outputs' (NOTE [ Shared input gradients ] rule 2)
         ctx.read = [grad_slot(x) for x in inputs]  # its inputs' (rule 1)
-        source = run.__dict__.pop("_rebuild", None)  # this run's outputs are rebuilt (rule 1)
-        if source is not None:
+        if source is not None:  # this run's outputs are rebuilt (rule 1)
             source.ctx = ctx
         return tuple(run.forward([x.detach() for x in inputs]))
 
@@ -732,7 +731,7 @@ class _TiledFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         inputs = _saved_inputs(ctx, own=True)
-        needs = list(ctx.needs_input_grad[3:3 + ctx.n_inputs])
+        needs = list(ctx.needs_input_grad[4:4 + ctx.n_inputs])
         run: TiledRun = ctx.run
         if ctx.slots is not None:
             dys = tuple(_gathered(dy, slot.take()) for dy, slot in zip(dys, ctx.slots))
@@ -740,7 +739,7 @@ class _TiledFunction(torch.autograd.Function):
             return (None,) * len(ctx.needs_input_grad)
         with torch.enable_grad(), recomputing(), ctx.amp.restore(), _restoring_buffers():
             dx, dparams = run.backward(inputs, dys, needs, ctx.read)
-        return (None, None, None, *dx, *dparams)
+        return (None, None, None, None, *dx, *dparams)
 
 
 def _saved_inputs(ctx: Any, made: dict[int, tuple[torch.Tensor, ...]] | None = None,
@@ -866,10 +865,8 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
             outs = tuple(run.forward(list(inputs)))
     else:
         slots = tuple(GradSlot() for _ in run.trace.outputs) if share_grads else None
-        source = None
-        if rebuild:
-            source = run.__dict__["_rebuild"] = Rebuild(run, hand_inputs)
-        outs = _TiledFunction.apply(run, len(inputs), slots, *inputs, *params)
+        source = Rebuild(run, hand_inputs) if rebuild else None
+        outs = _TiledFunction.apply(run, len(inputs), slots, source, *inputs, *params)
         for out, slot in zip(outs, slots or ()):
             setattr(out, GRAD_SLOT, slot)
         for k, out in enumerate(outs if source is not None else ()):
