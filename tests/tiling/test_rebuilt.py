@@ -207,3 +207,17 @@ def test_on_meta_handed_inputs_save_a_rebuild() -> None:
             loss.backward()
         flops.append(sum(tracker.flops.values()))
     assert flops[1] < flops[0]
+
+
+def test_a_rebuild_is_the_output_pass_alone() -> None:
+    """Rule 3: a rebuild reuses the statistics its run's forward gathered, so each of the
+    two readers' rebuilds costs one forward of the stage, not one per pass (the stem has
+    a normalisation: two passes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stem = _modules("meta", dtype=torch.float32)[0]
+    with FlopCounterMode(display=False) as counter:
+        stem(torch.empty(1, 1, 32, 32, 32, device="meta"))
+    one_forward = counter.get_total_flops()
+    (_, stored), (_, rebuilt) = _meta_peak(False), _meta_peak(True)
+    assert rebuilt - stored == 2 * one_forward

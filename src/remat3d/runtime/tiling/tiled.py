@@ -94,14 +94,16 @@ NOTE [ Rebuilt tiled outputs ]
      keeps for its own backward anyway; autograd runs that after every reader's).
   2. A tiled run reading such an output does not save it for its backward. So the
      output is freed when the forward is done with it.
-  3. Each reader's backward runs the producing run's forward again (its passes, under
-     ``recomputing()``, from those saved inputs, every tile restoring the buffers it
-     changed, the running statistics not updated again; without stashes, which would be
-     whole beside the rest of the backward: the run's own forward and backward keep
-     theirs) and holds the outputs while it runs: they are whole only inside each
-     reader's backward, not between two readers' (the skip's two readers are far
-     apart). A tiled run is deterministic: the rebuilt outputs are bitwise the
-     forward's. ``retain_graph`` changes nothing.
+  3. Each reader's backward runs the producing run's forward again: its output pass
+     alone, under ``recomputing()``, from those saved inputs, with the normalisation
+     statistics its forward gathered (kept by the run until its own backward, a few
+     numbers per channel: no statistics pass again), every tile restoring the buffers it
+     changed, the running statistics not updated again, and without stashes (they would
+     be whole beside the rest of the backward; the run's own forward and backward keep
+     theirs). The reader holds the outputs while it runs: they are whole only inside
+     each reader's backward, not between two readers' (the skip's two readers are far
+     apart). The output pass is deterministic and its statistics are the forward's: the
+     rebuilt outputs are bitwise the forward's. ``retain_graph`` changes nothing.
   4. A reader that is not a tiled run (a recompute region, an op) keeps the output as it
      keeps any tensor: correct, and nothing saved while it does.
   5. A rebuilt run whose own inputs are rebuilt outputs (a decoder stage's input is the
@@ -116,8 +118,9 @@ NOTE [ Rebuilt tiled outputs ]
      that reader's backward. Whether that fits is the planner's to measure (NOTE
      [ Tiling layouts ] rule 11); a reader's backward that never runs leaves them with
      the run's autograd context.
-  Cost: one forward of the producing run per tiled reader (and per rebuild that needs
-  it, rule 5); the price in memory is the output inside each reader's backward only.
+  Cost: one output pass of the producing run per tiled reader (and per rebuild that
+  needs it, rule 5), about one forward of its stage; the price in memory is the output
+  inside each reader's backward only.
 """
 
 from __future__ import annotations
@@ -425,32 +428,35 @@ class TiledRun:
 
     def rebuild(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The outputs again, as :meth:`forward` made them (NOTE [ Rebuilt tiled outputs
-        ]): the same passes without stashes, every tile restoring the buffers it changed,
-        and the running statistics not updated a second time."""
+        ] rule 3): its output pass alone, with the statistics the forward gathered and
+        without stashes, every tile restoring the buffers it changed, the running
+        statistics not updated a second time."""
+        if any(stats.rstd is None for stats in self.stats):
+            raise AssertionError("a tiled run was rebuilt before its forward ran")
         self.digest()  # (of the run as planned: its stashes included)
-        kept = self.stash, self.stash_nodes
-        self.stash, self.stash_nodes = None, {}  # rule 3: no stash while backward runs
-        try:
-            with self._window("rebuild"):
-                return self._forward(inputs, rebuilding=True)
-        finally:
-            self.stash, self.stash_nodes = kept
+        with self._window("rebuild"):
+            return self._forward(inputs, rebuilding=True)
 
     def _forward(self, inputs: Sequence[torch.Tensor],
                  rebuilding: bool = False) -> list[torch.Tensor]:
         tr = self.trace
-        for stats in self.stats:
-            stats.reset()
         n = len(self.stats)
         last = len(tr.ops) - 1
-        stashed = list(self.stash_nodes)  # normalisations whose inputs may be stashed
-        schedule = self._schedule(  # NOTE [ Stashed passes ] rule 1
-            [(tr.norms[j], {self.stash_nodes[i] for i in stashed if i < j},
-              [j] if j in self.stash_nodes else []) for j in range(n)]
-            + [(last, {self.stash_nodes[i] for i in stashed}, [])])
+        passes: Iterator[Stashing | None]
+        if rebuilding:  # the forward's statistics: its output pass alone, no stash
+            first, passes = n, iter([None])
+        else:
+            for stats in self.stats:
+                stats.reset()
+            first = 0
+            stashed = list(self.stash_nodes)  # normalisations whose inputs may be stashed
+            passes = self._passes(self._schedule(  # NOTE [ Stashed passes ] rule 1
+                [(tr.norms[j], {self.stash_nodes[i] for i in stashed if i < j},
+                  [j] if j in self.stash_nodes else []) for j in range(n)]
+                + [(last, {self.stash_nodes[i] for i in stashed}, [])]))
         outs: list[torch.Tensor] = []
         with torch.no_grad():
-            for j, stashing in enumerate(self._passes(schedule)):
+            for j, stashing in enumerate(passes, start=first):
                 if j == n:
                     outs = [host_empty(shape, dtype, self.device) if self.host_outputs
                             else torch.empty(shape, dtype=dtype, device=self.device)
@@ -469,10 +475,7 @@ class TiledRun:
                 if j < n:
                     self.stats[j].finish()
                 del stashing
-            if rebuilding:
-                for stats in self.stats:
-                    stats.running = None
-            else:
+            if not rebuilding:
                 self._update_running()
         return outs
 
