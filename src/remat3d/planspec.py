@@ -74,6 +74,10 @@ class Region:
         hand_inputs: with ``rebuild``, the last reader's rebuild hands the inputs it
             rebuilt (rebuilt outputs of other regions) to this region's own backward
             instead of letting them go (rule 6 of the same NOTE): one rebuild fewer.
+        rebuild_in_tiles: a ``"tile"`` region whose backward never makes the rebuilt
+            outputs it reads (other regions' ``rebuild``) whole: each of its tiles
+            computes the part it reads (rule 7 of the same NOTE): those outputs absent
+            from its backward too, for their ops once per pass of it.
     """
 
     module: str
@@ -89,6 +93,7 @@ class Region:
     stash_norms: list[int] | None = None
     rebuild: bool = False
     hand_inputs: bool = False
+    rebuild_in_tiles: bool = False
 
     @property
     def label(self) -> str:
@@ -138,6 +143,12 @@ class Region:
         if self.hand_inputs and not self.rebuild:
             raise PlanError(f"Region {self.label}: hand_inputs applies to rebuilt tiled "
                             f"regions (rebuild True) only.")
+        if self.rebuild_in_tiles and (self.decision != Decision.TILE or self.fuse
+                                      or self.host):
+            raise PlanError(f"Region {self.label}: rebuild_in_tiles applies to tiled "
+                            f"regions that are not fused nor host (their readers run "
+                            f"them); got decision {self.decision!r}, fuse {self.fuse}, "
+                            f"host {self.host}.")
         if self.stash is not None and (self.decision != Decision.TILE
                                        or self.stash not in ("device", "host")):
             raise PlanError(f"Region {self.label}: stash is 'device' or 'host' and applies "
@@ -318,6 +329,8 @@ class Plan:
                 extra += " output on host"
             if region.rebuild:
                 extra += " output rebuilt"
+            if region.rebuild_in_tiles:
+                extra += " (rebuilt inputs in tiles)"
             if region.hand_inputs:
                 extra += " (inputs handed on)"
             if region.stash:

@@ -500,7 +500,7 @@ def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_
     chosen = store_tiled_outputs(start, roomy, stages, check, saves)
     assert verified == [["up"]]  # only the skip is tried; the head's input stays fused
     assert [r.module for r in chosen.regions if r.fuse] == ["up"]
-    assert chosen.extra_flops == 700 and chosen.verified_peak_bytes == 110
+    assert chosen.extra_flops == 600  # (stem, with no rebuilt input, counts as whole) and chosen.verified_peak_bytes == 110
     verified.clear()
     assert store_tiled_outputs(start, 105, stages, check, saves) is start  # no room: no trial
     assert verified == []
@@ -707,3 +707,49 @@ def test_a_run_with_one_stash_takes_a_second_where_it_fits(graph_and_stages) -> 
     assert len(verified[-1]) == 2 and verified[0][0] in verified[-1]
     head = next(r for r in chosen.regions if r.module == "head")
     assert (head.stash, head.stash_norms) == ("device", verified[-1])
+
+
+def test_runs_reading_rebuilt_outputs_compute_them_in_tiles_then_whole_where_room(
+        graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 12: every tiled run that reads a rebuilt output, itself
+    or through a fused producer it computes, computes it in tiles in its backward; then
+    each rebuilds whole where the verified peak still fits and the FLOPs fall, the most
+    rebuilt FLOPs first, none verified without room for the outputs whole."""
+    from remat3d.planner.tiled_plans import layout_regions, whole_rebuilds_where_room
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    readers = stage_readers(graph, stages)
+    by = {lay.fuse: lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+          if lay.depth == 1}
+
+    def in_tiles(fuse: str) -> set[str]:
+        return {r.module for r in layout_regions(stages, by[fuse], readers=readers)
+                if r.rebuild_in_tiles}
+
+    assert in_tiles("rebuild") == {"down", "up", "head"}  # stem's readers, up's reader
+    assert in_tiles("chain+rebuild") == {"down", "head"}  # head computes the fused up
+    assert in_tiles("chain") == set()
+    assert not any(r.rebuild_in_tiles for r in layout_regions(stages, by["rebuild"]))
+    start = Plan(regions=layout_regions(stages, by["rebuild"], readers=readers),
+                 verified_peak_bytes=100, extra_flops=1000, step_flops=1)
+    verified: list[list[str]] = []
+
+    def check(plan: Plan) -> Plan:
+        whole = sorted(r.module for r in plan.regions
+                       if r.decision == "tile" and not r.rebuild_in_tiles)
+        verified.append(whole)
+        plan.verified_peak_bytes = 100 + 10 * len(whole)
+        plan.extra_flops = 1000 - 100 * len(whole)
+        return plan
+
+    rebuilt_read = {"down": ["stem"], "up": ["stem"], "head": ["up"]}
+    order = sorted(rebuilt_read, key=lambda n: -sum(
+        stages.stages[names.index(p)].fwd_flops for p in rebuilt_read[n]))
+    chosen = whole_rebuilds_where_room(start, 10**12, stages, check, readers)
+    assert verified == [sorted({"stem", *order[:k]}) for k in (1, 2, 3)]
+    assert not any(r.rebuild_in_tiles for r in chosen.regions)
+    assert chosen.extra_flops == 600  # (stem, with no rebuilt input, counts as whole)
+    verified.clear()
+    assert whole_rebuilds_where_room(start, 100, stages, check, readers) is start  # no room
+    assert verified == []

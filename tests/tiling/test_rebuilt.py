@@ -12,6 +12,7 @@ import remat3d
 from remat3d.errors import PlanError
 from remat3d.instrument.tracker import MemoryTracker
 from remat3d.planspec import Plan, Region
+from remat3d.runtime.tiling.tiled import labelled
 from remat3d.runtime.tiling.trace import TilingError
 
 
@@ -30,7 +31,8 @@ def _modules(device: str = "cpu", batch_norm: bool = False,
 
 
 def _step(mods: list[nn.Module], x: torch.Tensor, *, rebuild: bool | None,
-          plain_reader: bool = False, stash: str | None = None) -> torch.Tensor:
+          plain_reader: bool = False, stash: str | None = None,
+          in_tiles: bool = False) -> torch.Tensor:
     """The loss; ``rebuild`` None: untiled."""
     stem, a, b, heavy = mods
     if rebuild is None:
@@ -38,7 +40,8 @@ def _step(mods: list[nn.Module], x: torch.Tensor, *, rebuild: bool | None,
         ya, yb = a(s), b(s)
     else:
         s = remat3d.tile(stem, x, tile=5, share_grads=True, rebuild=rebuild, stash=stash)
-        ya, yb = remat3d.tile(a, s, tile=4), remat3d.tile(b, s, tile=3)
+        ya = remat3d.tile(a, s, tile=4, rebuild_in_tiles=in_tiles)
+        yb = remat3d.tile(b, s, tile=3, rebuild_in_tiles=in_tiles)
     y = heavy(ya) * 2 + nn.functional.interpolate(yb, scale_factor=2)
     return y.square().sum() + (s.sin().sum() if plain_reader else 0)
 
@@ -105,13 +108,13 @@ def test_rebuilt_outputs_cannot_also_live_in_host_memory_and_only_they_hand_inpu
         remat3d.tile(stem, x, tile=4, hand_inputs=True)
 
 
-def _meta_peak(rebuild: bool) -> tuple[int, float]:
+def _meta_peak(rebuild: bool, in_tiles: bool = False) -> tuple[int, float]:
     mods = _modules("meta", dtype=torch.float32)
     x = torch.empty(1, 1, 32, 32, 32, device="meta")
     with MemoryTracker("meta") as tracker:
         tracker.register(list(nn.ModuleList(mods).parameters()), "param")
         tracker.register(x, "input")
-        loss = _step(mods, x, rebuild=rebuild)
+        loss = _step(mods, x, rebuild=rebuild, in_tiles=in_tiles)
         tracker.phase = "backward"
         loss.backward()
     return tracker.peak_bytes, sum(tracker.flops.values())
@@ -168,15 +171,18 @@ def _two_levels(device: str = "cpu", dtype: torch.dtype = torch.float64) -> list
 
 
 def _two_level_loss(mods: list[nn.Module], x: torch.Tensor, rebuild: bool,
-                    hand: bool = False) -> torch.Tensor:
-    """A skip at full resolution (read by ``a`` and ``both``) and one at half resolution
-    made from it (read by ``both``)."""
+                    hand: bool = False, in_tiles: tuple[str, ...] = ()) -> torch.Tensor:
+    """A skip at full resolution (read by ``down``, ``a`` and ``both``) and one at half
+    resolution made from it (read by ``both``); ``in_tiles``: the readers that compute
+    their rebuilt inputs in tiles."""
     stem, a, down, both, heavy = mods
     s0 = remat3d.tile(stem, x, tile=5, share_grads=True, rebuild=rebuild)
-    s1 = remat3d.tile(down, s0, tile=3, share_grads=True, rebuild=rebuild, hand_inputs=hand)
+    s1 = remat3d.tile(down, s0, tile=3, share_grads=True, rebuild=rebuild, hand_inputs=hand,
+                      rebuild_in_tiles="down" in in_tiles)
     r1 = remat3d.tile(lambda u, v: both(torch.cat(
-        [u, nn.functional.interpolate(v, scale_factor=2)], 1)), s0, s1, tile=4)
-    y = heavy(remat3d.tile(a, s0, tile=4)) + r1
+        [u, nn.functional.interpolate(v, scale_factor=2)], 1)), s0, s1, tile=4,
+        rebuild_in_tiles="both" in in_tiles)
+    y = heavy(remat3d.tile(a, s0, tile=4, rebuild_in_tiles="a" in in_tiles)) + r1
     return y.square().sum()
 
 
@@ -221,3 +227,61 @@ def test_a_rebuild_is_the_output_pass_alone() -> None:
     one_forward = counter.get_total_flops()
     (_, stored), (_, rebuilt) = _meta_peak(False), _meta_peak(True)
     assert rebuilt - stored == 2 * one_forward
+
+
+@pytest.mark.parametrize("stash", [None, "device"])
+def test_rebuilt_in_tiles_gives_the_stored_outputs_gradients(stash: str | None) -> None:
+    """Rule 7: each reader's tiles compute their part of the output; the gradients are
+    the stored output's step up to rounding order (float64), buffers included (the
+    stem's BatchNorm: its running statistics and counter change once)."""
+    results = {}
+    for in_tiles in (False, True):
+        mods = _modules(batch_norm=True)
+        x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+        _step(mods, x, rebuild=True, stash=stash, in_tiles=in_tiles).backward()
+        results[in_tiles] = [*_grads(mods, x), *(b.clone() for b in mods[0].buffers())]
+    for got, want in zip(results[True], results[False]):
+        assert got.dtype == want.dtype
+        assert torch.allclose(got.double(), want.double(), rtol=1e-9, atol=1e-11)
+
+
+def test_on_meta_an_output_rebuilt_in_tiles_is_never_whole_in_backward() -> None:
+    """The peak of the readers' backwards is lower than with the whole rebuild (the
+    first reader's backward holds the output whole there) and the FLOPs higher (the
+    stem's ops once per pass of each reader's backward); the untiled heavy block's
+    backward, above both, gives the step's peak, so the readers' windows are compared."""
+    def windows(in_tiles: bool) -> tuple[int, float]:
+        mods = _modules("meta", dtype=torch.float32)
+        x = torch.empty(1, 1, 32, 32, 32, device="meta")
+        with MemoryTracker("meta") as tracker:
+            tracker.register(list(nn.ModuleList(mods).parameters()), "param")
+            stem, a, b, _ = mods
+            s = remat3d.tile(stem, x, tile=8, share_grads=True, rebuild=True)
+            with labelled("reader"):
+                y = remat3d.tile(a, s, tile=8, rebuild_in_tiles=in_tiles)
+            tracker.phase = "backward"
+            y.square().sum().backward()
+        peaks = tracker.window_peaks()["reader"]
+        return max(peaks["sums"], peaks["final"]), sum(tracker.flops.values())
+
+    (whole, whole_flops), (tiles, tiles_flops) = windows(False), windows(True)
+    output = 6 * 32 ** 3 * 4  # less what a tile's part of the stem holds
+    assert whole - tiles >= 0.9 * output
+    assert tiles_flops > whole_flops
+
+
+@pytest.mark.parametrize("in_tiles", [("both",), ("both", "a", "down"), ("a", "down")])
+@pytest.mark.parametrize("hand", [False, True])
+def test_rebuilt_in_tiles_from_outputs_rebuilt_in_tiles_or_whole(
+        in_tiles: tuple[str, ...], hand: bool) -> None:
+    """Rule 7 with rules 5 and 6: a reader of both skips computes the half-resolution
+    one's parts from parts of the full-resolution one; the other readers rebuild whole or
+    in tiles, and hand on what they rebuilt whole. The stored outputs' step up to
+    rounding order (float64)."""
+    mods = _two_levels()
+    x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+    _two_level_loss(mods, x, rebuild=False).backward()
+    want = _grads(mods, x)
+    _two_level_loss(mods, x, rebuild=True, hand=hand, in_tiles=in_tiles).backward()
+    for got, ref in zip(_grads(mods, x), want):
+        assert torch.allclose(got, ref, rtol=1e-9, atol=1e-11)

@@ -252,6 +252,7 @@ def budget_rows(model_name: str, budgets: Sequence[str], size: int = 512,
                          f"{r.module} {'x'.join(map(str, r.tile or []))}"
                          + (" fused" if r.fuse else " host" if r.host else
                             " rebuilt" if r.rebuild else "")
+                         + (" inputs in tiles" if r.rebuild_in_tiles else "")
                          + (f" stash {r.stash}" if r.stash else "")
                          + (f" (norms {','.join(map(str, r.stash_norms))})"
                             if r.stash_norms is not None else "")

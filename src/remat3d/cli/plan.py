@@ -88,6 +88,7 @@ def plan_command(
             detail = format_shape(region.tile) + (" fused" if region.fuse else "") \
                 + (" output on host" if region.host else "") \
                 + (" output rebuilt" if region.rebuild else "") \
+                + (" (rebuilt inputs in tiles)" if region.rebuild_in_tiles else "") \
                 + (" (inputs handed on)" if region.hand_inputs else "") \
                 + (f" stash on {region.stash}" if region.stash else "") \
                 + (" (norms " + ",".join(map(str, region.stash_norms)) + ")"

@@ -42,6 +42,7 @@ from remat3d.planner.tiled_plans import (
     stash_where_room,
     store_tiled_outputs,
     untile_where_room,
+    whole_rebuilds_where_room,
 )
 from remat3d.planner.tiling import (
     extend_layout,
@@ -133,7 +134,8 @@ class _Search:
         assert self.p.verify is not None
         signature = (candidate.prefetch, candidate.rebuild_saved, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
-             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.rebuild, r.hand_inputs, r.stash,
+             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.rebuild, r.hand_inputs,
+             r.rebuild_in_tiles, r.stash,
              tuple(r.stash_norms) if r.stash_norms is not None else None)
             for r in candidate.regions))
         if signature not in self.measured_plans:
@@ -233,7 +235,7 @@ class _Search:
                 extend=lambda layout, module: extend_layout(self.p.graph, self.stages, ok,
                                                             layout, module),
                 # NOTE [ Tiling layouts ] rule 10: with offload, runs stash on the host
-                stash="host" if offload else None)
+                stash="host" if offload else None, readers=readers)
             smallest = min(smallest, tiled_smallest)
             if tiled is not None:
                 saves = storing_saves(self.p.graph, self.stages, {
@@ -246,6 +248,8 @@ class _Search:
                                           norms, readers, self.p.options.recomputable)
                 tiled = stash_where_room(tiled, self.budget, self.stages, self.check, norms,
                                          readers)
+                tiled = whole_rebuilds_where_room(tiled, self.budget, self.stages,
+                                                  self.check, readers)
                 tiled = hand_rebuilt_inputs(tiled, self.budget, self.stages, self.check,
                                             readers)
                 return prune_tiled(tiled, self.budget, self.stages, self.check)

@@ -22,6 +22,7 @@ from remat3d.units import format_bytes
 
 __all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
            "hand_rebuilt_inputs", "layout_regions", "prune_tiled", "staged_regions",
+           "whole_rebuilds_where_room",
            "stash_where_room", "store_tiled_outputs", "untile_where_room"]
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,16 @@ def extra_cost(p: Plan) -> int:
 
 def layout_regions(stages: StageModel, layout: Layout,
                    recomputable: list[bool] | None = None,
-                   stash: str | None = None) -> list[Region]:
+                   stash: str | None = None,
+                   readers: list[set[int | None]] | None = None) -> list[Region]:
     """A tiling layout as plan regions: its stages tiled (and fused), every other stage
     recomputed where it may be (NOTE [ Tiling layouts ] rule 4); ``stash``: where each
     tiled run (every tiled stage but the fused ones, which run in their readers' runs)
-    keeps its normalisations' inputs (rule 10; a run without any keeps nothing)."""
+    keeps its normalisations' inputs (rule 10; a run without any keeps nothing);
+    ``readers`` (per stage, ``tiling.stage_readers``): each run that reads a rebuilt
+    output computes it in tiles in its backward (rule 12)."""
     ok = recomputable or [True] * len(stages.stages)
+    in_tiles = _reading_rebuilt(layout, readers) if readers is not None else set()
     regions = []
     for st in stages.stages:
         if st.index in layout.tiled:
@@ -51,10 +56,28 @@ def layout_regions(stages: StageModel, layout: Layout,
                                   tile=list(size), fuse=output == TiledOutput.FUSED,
                                   host=output == TiledOutput.HOST,
                                   rebuild=output == TiledOutput.REBUILT,
-                                  stash=None if output == TiledOutput.FUSED else stash))
+                                  stash=None if output == TiledOutput.FUSED else stash,
+                                  rebuild_in_tiles=st.index in in_tiles))
         elif ok[st.index]:
             regions.append(Region(st.name, calls=[st.call_index]))
     return regions
+
+
+def _reading_rebuilt(layout: Layout, readers: list[set[int | None]]) -> set[int]:
+    """The layout's tiled runs that read a rebuilt output, themselves or through the
+    fused producers they compute (a fused stage's reader runs it)."""
+    out: set[int] = set()
+    todo = [p for p, (_, o) in layout.tiled.items() if o == TiledOutput.REBUILT]
+    while todo:
+        p = todo.pop()
+        for r in readers[p]:
+            if r is None or r not in layout.tiled or r in out:
+                continue
+            if layout.tiled[r][1] == TiledOutput.FUSED:
+                todo.append(r)  # its readers' runs compute it, and read what it reads
+            else:
+                out.add(r)
+    return out
 
 
 def at_least_as_frugal(a: Layout, b: Layout) -> bool:
@@ -106,7 +129,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                          options: PlannerOptions, host_budget: int | None, budget: int,
                          fresh: Callable[[list[Region]], Plan], check: Check,
                          extend: Callable[[Layout, str | None], Layout | None] | None = None,
-                         max_repairs: int = 3, stash: str | None = None
+                         max_repairs: int = 3, stash: str | None = None,
+                         readers: list[set[int | None]] | None = None
                          ) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
     verified peak fits ``budget`` (and whose host memory fits ``host_budget``), and the
@@ -120,7 +144,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     does not tile is repaired (rule 7): ``extend(layout, peak_module)`` is it with that
     stage tiled too, verified before the next group of layouts (up to ``max_repairs``
     stages added, while the peak goes down). ``fresh(regions)`` makes a plan with the
-    search's header fields; ``stash`` as ``layout_regions`` takes it."""
+    search's header fields; ``stash`` and ``readers`` as ``layout_regions`` takes
+    them."""
     ordered = list(candidates)
     smallest = 1 << 62
     measured: dict[tuple, Plan | None] = {}  # layout -> verified plan that fits, else None
@@ -133,7 +158,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         if key in measured:
             return measured[key]
         nonlocal smallest
-        candidate = fresh(layout_regions(stages, layout, options.recomputable, stash))
+        candidate = fresh(layout_regions(stages, layout, options.recomputable, stash,
+                                         readers))
         candidate.notes.append(f"tiling layout: {layout.label}")
         measured[key] = None
         try:
@@ -471,6 +497,48 @@ def hand_rebuilt_inputs(best: Plan, budget: int, stages: StageModel, check: Chec
         region, _ = step
         log.info("trying %s handing its rebuilt inputs to its own backward", region.label)
         yield check(_replaced(current, region, hand_inputs=True))
+
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        return (candidate.verified_peak_bytes or 0) <= budget and \
+            extra_cost(candidate) < extra_cost(current)
+
+    return greedy_prune(best, steps, trials, cheaper)
+
+
+def whole_rebuilds_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
+                              readers: list[set[int | None]]) -> Plan:
+    """A tiled plan's runs that compute the rebuilt outputs they read in tiles, each
+    rebuilding them whole instead where the verified peak still fits and the extra FLOPs
+    fall (NOTE [ Tiling layouts ] rule 12), the most rebuilt FLOPs read first. A trial is
+    verified only when those outputs (whole, by the stage model) fit the room the budget
+    leaves above what the run's backward held (``_room``)."""
+    staged = staged_regions(best, stages)
+    by_index = {st.index: r for r, st in staged}
+
+    def read(st: Stage) -> list[Stage]:  # the rebuilt stages its run reads
+        found, todo = [], [st.index]
+        while todo:
+            s = todo.pop()
+            for p, r in by_index.items():
+                if s in readers[p] and r.decision == Decision.TILE:
+                    if r.rebuild:
+                        found.append(stages.stages[p])
+                    elif r.fuse:
+                        todo.append(p)
+        return found
+
+    steps = [(r, read(st)) for r, st in staged if r.rebuild_in_tiles]
+    steps.sort(key=lambda pair: -sum(p.fwd_flops for p in pair[1]))
+
+    def trials(step: tuple[Region, list[Stage]], current: Plan) -> Iterator[Plan]:
+        region, rebuilt = step
+        added = sum(p.output_bytes for p in rebuilt)
+        if added > _room(current, budget, region.label):
+            log.info("%s: its rebuilt inputs whole (%s) do not fit the room left",
+                     region.label, format_bytes(added))
+            return
+        log.info("trying %s rebuilding its rebuilt inputs whole", region.label)
+        yield check(_replaced(current, region, rebuild_in_tiles=False))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         return (candidate.verified_peak_bytes or 0) <= budget and \

@@ -30,8 +30,13 @@ NOTE [ Tiling layouts ]
      only until its readers' forwards are done, and each reader's backward runs the
      stage's forward again (NOTE [ Rebuilt tiled outputs ]: a U-Net's skips are then
      absent through the decoder's backward, where the readers' backwards are far apart,
-     for a forward per reader); ``"chain+rebuild"`` fuses as ``"chain"`` does and
-     rebuilds the other such outputs.
+     for a forward per reader), except an output whose stage reads an output rebuilt at a
+     higher resolution (each of its rebuilds would rebuild that one again: ResEnc-L's
+     level-1 residual blocks, each a stage, chained to the full-resolution skip; its
+     layouts with two levels took 24 s to verify at 5.4x the FLOPs before this rule);
+     ``"chain+rebuild"`` fuses as ``"chain"`` does and rebuilds the other such outputs.
+     Each tiled run that reads a rebuilt output computes it in tiles in its backward
+     (rule 12).
   4. Stages that are not tiled are recomputed (regions that keep only their inputs); the
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
@@ -142,6 +147,16 @@ NOTE [ Tiling layouts ]
      to its own backward (``Region.hand_inputs``, rule 6 there) where the verified peak
      still fits and the FLOPs fall, the costliest run first; one verified trial each.
      nnU-Net v2 at 512³ bf16, 24 GiB: 2.50x -> 2.42x at the same 23.84 GiB.
+  12. Rebuilt inputs in tiles (NOTE [ Rebuilt tiled outputs ] rule 7): in a layout, every
+     tiled run that reads a rebuilt output (itself or through a fused producer it
+     computes) computes that output's parts in each of its tiles in its backward, never
+     the whole of it (``Region.rebuild_in_tiles``): the least memory, the most FLOPs.
+     After rule 10, each such run rebuilds whole instead where the verified peak still
+     fits and the FLOPs fall, the most rebuilt FLOPs first, a trial verified only when
+     the rebuilt outputs fit the room its backward left (``whole_rebuilds_where_room``).
+     ResEnc-L at 512³ bf16, 24 GiB, no offload: the top decoder run's backward held the
+     8 GiB skip rebuilt beside the skip's 8 GiB gradient; in tiles, 23.18 GiB at 2.54x
+     the FLOPs (2.93x before, with the skip fused into both readers).
 """
 
 from __future__ import annotations
@@ -267,7 +282,12 @@ class _Facts:
                 output = TiledOutput.FUSED
             elif inner and fuse.endswith("host"):
                 output = TiledOutput.HOST
-            elif inner and fuse.endswith("rebuild"):
+            elif inner and fuse.endswith("rebuild") and not any(
+                    s in self.readers[p] and out == TiledOutput.REBUILT
+                    and (self.levels[p] or 0) < (self.levels[s] or 0)
+                    for p, (_, out) in tiled.items()):
+                # rule 3: not from an output rebuilt at a higher resolution (each of its
+                # rebuilds would rebuild that one whole, or in tiles, again)
                 output = TiledOutput.REBUILT
             tiled[s] = (size, output)  # type: ignore[assignment]
         return tiled

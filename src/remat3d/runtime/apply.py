@@ -412,7 +412,8 @@ class _PlannedForward:
         with labelled(region.label):
             return tile(fn, *inputs, tile=edge, device=device, stash=region.stash,
                         stash_norms=region.stash_norms, share_grads=True,
-                        rebuild=region.rebuild, hand_inputs=region.hand_inputs)
+                        rebuild=region.rebuild, hand_inputs=region.hand_inputs,
+                        rebuild_in_tiles=region.rebuild_in_tiles)
 
     def _sequential(self, segments: list[Region]) -> Callable[..., Any]:
         """The Sequential's forward with its segment regions; segments may nest (a

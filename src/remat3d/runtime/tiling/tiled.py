@@ -118,6 +118,17 @@ NOTE [ Rebuilt tiled outputs ]
      that reader's backward. Whether that fits is the planner's to measure (NOTE
      [ Tiling layouts ] rule 11); a reader's backward that never runs leaves them with
      the run's autograd context.
+  7. A reader made with ``rebuild_in_tiles=True`` does not make the rebuilt outputs it
+     reads whole in its backward: each of its tiles, in each of its backward passes,
+     computes the part of them it reads (its halo included) from their runs' inputs,
+     with the statistics their forwards gathered (:class:`TileSource`), and their runs'
+     own rebuilt inputs likewise (the skip's run reads the stem's rebuilt output). So
+     the output is whole in no backward of such a reader (its gradient, gathered by its
+     readers, still is). The price: the producing run's ops once per pass of the
+     reader's backward (k + 1 with k normalisations) plus the halo overlap, where a
+     whole rebuild makes them once; and the values are the forward's up to rounding
+     order (a tile computes them over another region), as tiles always are, not
+     bitwise. A run of several outputs is rebuilt whole all the same.
   Cost: one output pass of the producing run per tiled reader (and per rebuild that
   needs it, rule 5), about one forward of its stage; the price in memory is the output
   inside each reader's backward only.
@@ -275,6 +286,7 @@ class TiledRun:
              tuple(_shape(r, tr.sizes[node]) for r, node in zip(outs, tr.outputs)))
             for plan, owned, outs in zip(self.plans, self.owned, self.out_owned)]
         self.stash_nodes = self._stash_nodes() if stash else {}
+        self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
         self._digest: str | None = None
 
     def digest(self) -> str:
@@ -390,11 +402,8 @@ class TiledRun:
         plan = self.plans[k]
         local = []
         for i, (x, node) in enumerate(zip(inputs, self.trace.inputs)):
-            full = tuple((0, n) for n in x.shape[2:])
             region = plan.get(node, ((0, 1),) * 3)  # an input this tile does not read
-            xt = crop(x, full, region)
-            if self.host_inputs[i]:
-                xt = to_device(xt, self.device)
+            xt = self._input_part(i, x, region)
             if grad_inputs is not None:
                 xt = xt.detach().requires_grad_(grad_inputs[i])
             setattr(xt, REGION, region)
@@ -413,6 +422,37 @@ class TiledRun:
                               "(tensors computed from its inputs).")
         return [crop(t, region_of(t), want) for t, want in zip(ys, self.out_owned[k])], \
             local, mode
+
+    def _input_part(self, i: int, x: torch.Tensor | TileSource, region: Region
+                    ) -> torch.Tensor:
+        """Input ``i`` over ``region``: a slice of it, on the run's device, or computed
+        where it is a :class:`TileSource` (NOTE [ Rebuilt tiled outputs ] rule 7)."""
+        if isinstance(x, TileSource):
+            return x.part(region)
+        xt = crop(x, whole_region(x), region)
+        return to_device(xt, self.device) if self.host_inputs[i] else xt
+
+    def part_of_output(self, inputs: Sequence[torch.Tensor | TileSource], want: Region
+                       ) -> torch.Tensor:
+        """The run's one output over ``want``, computed from ``inputs`` with the
+        statistics its forward gathered (NOTE [ Rebuilt tiled outputs ] rule 7): the
+        ops compute what ``want`` needs of them, no more. Call it without grad."""
+        tr = self.trace
+        plan = needed_regions(tr.spatial_ops, tr.sizes, {tr.outputs[0]: want})
+        local = []
+        for i, (x, node) in enumerate(zip(inputs, tr.inputs)):
+            xt = self._input_part(i, x, plan.get(node, ((0, 1),) * 3))
+            setattr(xt, REGION, plan.get(node, ((0, 1),) * 3))
+            local.append(xt)
+        nowhere = ((0, 0),) * 3  # no normalisation sums are gathered here
+        with TileMode(tr, plan, self.stats, dict.fromkeys(range(len(self.stats)), nowhere),
+                      device=self.device):
+            y = self.fn(*local)
+        y = y[0] if isinstance(y, (tuple, list)) else y
+        if not isinstance(y, torch.Tensor) or getattr(y, REGION, None) is None:
+            raise TilingError("A tile of the run returned something else than its trace did "
+                              "(tensors computed from its inputs).")
+        return crop(y, region_of(y), want)
 
     def _window(self, part: str) -> contextlib.AbstractContextManager[None]:
         """Books this part of the run (its forward passes, its backward's sums passes, its
@@ -461,7 +501,7 @@ class TiledRun:
                     outs = [host_empty(shape, dtype, self.device) if self.host_outputs
                             else torch.empty(shape, dtype=dtype, device=self.device)
                             for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
-                repeats = _Repeats(self, ("forward", j, _layout(inputs)),
+                repeats = _Repeats(self, ("forward", j, _layout(inputs)), inputs,
                                    last_runs=j == n and not rebuilding)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
@@ -537,7 +577,7 @@ class TiledRun:
                 stats = self.stats[j]
                 sum_g: torch.Tensor | None = None
                 sum_gx: torch.Tensor | None = None
-                repeats = _Repeats(self, ("sums", j, *given))
+                repeats = _Repeats(self, ("sums", j, *given), inputs)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
@@ -555,7 +595,9 @@ class TiledRun:
                     stats.sums = (sum_g, sum_gx)
         slots = list(slots) or [None] * len(inputs)
 
-        def zeros(x: torch.Tensor, host: bool) -> torch.Tensor:
+        def zeros(x: torch.Tensor | TileSource, host: bool) -> torch.Tensor:
+            if isinstance(x, TileSource):
+                return x.zeros()
             return host_zeros_like(x, self.device) if host else torch.zeros_like(x)
 
         dx: list[torch.Tensor | None] = [
@@ -563,7 +605,7 @@ class TiledRun:
             else slot.target(lambda x=x, host=host: zeros(x, host))  # type: ignore[misc]
             for x, need, host, slot in zip(inputs, needs, self.host_inputs, slots)]
         dparams: list[torch.Tensor | None] = [None] * len(params)
-        repeats = _Repeats(self, ("final", *given))
+        repeats = _Repeats(self, ("final", *given), inputs)
         with self._window("final"):
             for k in range(len(self.tiles)):
                 if repeats.replayed(k):
@@ -624,10 +666,10 @@ class TiledRun:
                 dparams[i] = g.double() if previous is None else previous.add_(g)
 
 
-def _layout(tensors: Sequence[torch.Tensor | None]) -> tuple:
+def _layout(tensors: Sequence[torch.Tensor | TileSource | None]) -> tuple:
     """Shapes, strides and dtypes (what views of them do depends on)."""
-    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype)
-                 for t in tensors)
+    return tuple(None if t is None else t.layout() if isinstance(t, TileSource)
+                 else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
 def _shape(region: Region, size: Sequence[int]) -> tuple[tuple[int, bool, bool], ...]:
@@ -644,9 +686,15 @@ class _Repeats:
     it keeps the buffers it updates; every other pass restores them). ``tag`` names the
     pass (which one, and what its tiles depend on besides their shapes)."""
 
-    def __init__(self, run: TiledRun, tag: tuple, last_runs: bool = False) -> None:
+    def __init__(self, run: TiledRun, tag: tuple,
+                 inputs: Sequence[torch.Tensor | TileSource] = (),
+                 last_runs: bool = False) -> None:
         self.run = run
         self.last_runs = last_runs
+        # inputs computed by each tile (NOTE [ Rebuilt tiled outputs ] rule 7): their
+        # parts' shapes are the tile's too
+        self.sources = [(x, node) for x, node in zip(inputs, run.trace.inputs)
+                        if isinstance(x, TileSource)]
         self.tracker = replaying_tracker() if run.device.type == "meta" else None
         self.seen: dict[Any, Repeat] = {}
         self.tag = None if self.tracker is None else (
@@ -656,7 +704,7 @@ class _Repeats:
     def replayed(self, k: int) -> bool:
         if self.tracker is None or (self.last_runs and k == len(self.run.tiles) - 1):
             return False
-        shapes = self.run.shapes[k]
+        shapes = self.shapes(k)
         repeat = self.seen.get(shapes)
         if repeat is not None and self.tracker.replay(repeat):
             return True
@@ -666,9 +714,17 @@ class _Repeats:
         self.tracker.book(repeat)
         return True
 
+    def shapes(self, k: int) -> tuple:
+        if not self.sources:
+            return self.run.shapes[k]
+        plan = self.run.plans[k]
+        return (self.run.shapes[k],
+                tuple(x.key(plan.get(node, ((0, 1),) * 3)) for x, node in self.sources))
+
     @contextlib.contextmanager
     def recording(self, k: int) -> Iterator[None]:
-        tracker, key = self.tracker, self.run.shapes[k]
+        tracker = self.tracker
+        key = None if tracker is None else self.shapes(k)
         if tracker is None or key in self.seen:
             yield
             return
@@ -733,9 +789,9 @@ class _TiledFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        inputs = _saved_inputs(ctx, own=True)
-        needs = list(ctx.needs_input_grad[4:4 + ctx.n_inputs])
         run: TiledRun = ctx.run
+        inputs = _saved_inputs(ctx, own=True, in_tiles=run.rebuild_in_tiles)
+        needs = list(ctx.needs_input_grad[4:4 + ctx.n_inputs])
         if ctx.slots is not None:
             dys = tuple(_gathered(dy, slot.take()) for dy, slot in zip(dys, ctx.slots))
         if all(dy is None for dy in dys):
@@ -745,12 +801,13 @@ class _TiledFunction(torch.autograd.Function):
         return (None, None, None, None, *dx, *dparams)
 
 
-def _saved_inputs(ctx: Any, made: dict[int, tuple[torch.Tensor, ...]] | None = None,
-                  own: bool = False) -> list[torch.Tensor]:
+def _saved_inputs(ctx: Any, made: dict[Any, tuple[Any, ...]] | None = None,
+                  own: bool = False, in_tiles: bool = False) -> list[Any]:
     """A tiled run's inputs in backward: those saved, and those rebuilt (NOTE [ Rebuilt
-    tiled outputs ] rules 3, 5 and 6; ``made``: the outputs rebuilt so far for this
+    tiled outputs ] rules 3, 5, 6 and 7; ``made``: the outputs rebuilt so far for this
     backward, by run, None for a reader's own backward; ``own``: the run's own backward,
-    which takes the inputs its last reader's rebuild handed it)."""
+    which takes the inputs its last reader's rebuild handed it; ``in_tiles``: rebuilt
+    ones as :class:`TileSource` where they can be)."""
     handed = ctx.__dict__.pop("handed_inputs", None) if own else None
     if handed is not None:
         return handed
@@ -758,7 +815,7 @@ def _saved_inputs(ctx: Any, made: dict[int, tuple[torch.Tensor, ...]] | None = N
     made = {} if made is None else made
     inputs = list(ctx.saved_tensors)
     for i, (source, k) in ctx.rebuilt.items():
-        inputs[i] = source.make(k, made, reader)
+        inputs[i] = source.make(k, made, reader, in_tiles)
     return inputs
 
 
@@ -772,11 +829,12 @@ class Rebuild:
         self.readers = 0      # the tiled runs that read an output without saving it
         self.taken = 0        # readers' backwards that took one, this backward
 
-    def make(self, k: int, made: dict[int, tuple[torch.Tensor, ...]],
-             reader: bool = False) -> torch.Tensor:
+    def make(self, k: int, made: dict[Any, tuple[Any, ...]], reader: bool = False,
+             in_tiles: bool = False) -> torch.Tensor | TileSource:
         """Output ``k``, the run's forward made again, or taken from ``made`` where a
         rebuild for the same backward made it already (rule 5); the caller holds it.
-        ``reader``: for a reader's own backward (not for another rebuild)."""
+        ``reader``: for a reader's own backward (not for another rebuild); ``in_tiles``:
+        for a reader that computes it tile by tile (rule 7)."""
         if self.ctx is None:
             raise RuntimeError("A rebuilt tiled output was read before its run's forward "
                                "finished.")
@@ -786,6 +844,11 @@ class Rebuild:
             last = self.taken >= self.readers
             if last:
                 self.taken = 0
+        if in_tiles and len(self.run.trace.outputs) == 1:  # rule 7: never whole
+            key = ("tiles", id(self))
+            if key not in made:
+                made[key] = (TileSource(self, _saved_inputs(self.ctx, made, in_tiles=True)),)
+            return made[key][0]  # type: ignore[no-any-return]
         outs = made.get(id(self))
         if outs is None:
             inputs = _saved_inputs(self.ctx, made)
@@ -799,6 +862,46 @@ class Rebuild:
         return outs[k]
 
 
+class TileSource:
+    """A rebuilt output that its reader's backward computes tile by tile, never whole
+    (NOTE [ Rebuilt tiled outputs ] rule 7): what a tiled run's tiles read of an input in
+    place of a slice of it."""
+
+    def __init__(self, source: Rebuild, inputs: list[Any]) -> None:
+        run = source.run
+        self.source = source
+        self.inputs = inputs  # the producing run's (tensors, or TileSources themselves)
+        self.shape = torch.Size(run.trace.out_shapes[0])
+        self.dtype = run.trace.out_dtypes[0]
+        self.device = run.device
+
+    def detach(self) -> TileSource:
+        return self
+
+    def part(self, want: Region) -> torch.Tensor:
+        """The output over ``want`` (computed without grad)."""
+        with torch.no_grad(), recomputing(), self.source.ctx.amp.restore(), \
+                _restoring_buffers():
+            return self.source.run.part_of_output(self.inputs, want)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def layout(self) -> tuple:
+        """What a part depends on besides its region (NOTE [ Repeats on meta ] rule 5)."""
+        return ("tiles", self.source.run.digest(), _layout(self.inputs))
+
+    def key(self, want: Region) -> tuple:
+        """The shapes of everything a part over ``want`` computes (a tile's repeat key)."""
+        run = self.source.run
+        tr = run.trace
+        plan = needed_regions(tr.spatial_ops, tr.sizes, {tr.outputs[0]: want})
+        return (tuple((node, _shape(region, tr.sizes[node]))
+                      for node, region in sorted(plan.items())),
+                tuple(x.key(plan.get(node, ((0, 1),) * 3))
+                      for x, node in zip(self.inputs, tr.inputs) if isinstance(x, TileSource)))
+
+
 def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor | None:
     """An output's gradient: autograd's part and the tiled readers' shared part (rule 2)."""
     if shared is None or dy is None:
@@ -810,7 +913,7 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
          host: bool = False, device: torch.device | str | None = None,
          stash: str | None = None, stash_norms: Sequence[int] | None = None,
          share_grads: bool = False, rebuild: bool = False,
-         hand_inputs: bool = False) -> Any:
+         hand_inputs: bool = False, rebuild_in_tiles: bool = False) -> Any:
     """``fn(*inputs)``, computed tile by tile over the output's spatial volume, exactly.
 
     ``fn`` (a module or function of 5-D tensors ``(N, C, D, H, W)``) must be spatially
@@ -842,7 +945,9 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     backwards runs this run's forward again (NOTE [ Rebuilt tiled outputs ]): the outputs
     are whole only inside those backwards, at one forward more per reader;
     ``hand_inputs=True``: the last of those rebuilds hands the inputs it rebuilt to this
-    run's own backward (rule 6).
+    run's own backward (rule 6). ``rebuild_in_tiles=True``: this run's backward computes
+    each tile's part of the rebuilt outputs it reads, never the whole of them (rule 7):
+    less memory, more compute.
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
@@ -860,6 +965,7 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
                           "own backward; give rebuild=True too.")
     run = TiledRun(fn, inputs, tile, host_outputs=host, stash=stash, stash_norms=stash_norms,
                    device=None if device is None else torch.device(device))
+    run.rebuild_in_tiles = rebuild_in_tiles
     params = [p for p in run.trace.params if p.requires_grad]
     needs_graph = torch.is_grad_enabled() and (any(x.requires_grad for x in inputs)
                                                or bool(params))
