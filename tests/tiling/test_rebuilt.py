@@ -255,7 +255,7 @@ def test_on_meta_an_output_rebuilt_in_tiles_is_never_whole_in_backward() -> None
         x = torch.empty(1, 1, 32, 32, 32, device="meta")
         with MemoryTracker("meta") as tracker:
             tracker.register(list(nn.ModuleList(mods).parameters()), "param")
-            stem, a, b, _ = mods
+            stem, a, _, _ = mods
             s = remat3d.tile(stem, x, tile=8, share_grads=True, rebuild=True)
             with labelled("reader"):
                 y = remat3d.tile(a, s, tile=8, rebuild_in_tiles=in_tiles)

@@ -20,10 +20,20 @@ from remat3d.planner.tiling import Layout
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
-__all__ = ["at_least_as_frugal", "extra_cost", "first_fitting_layout", "greedy_prune",
-           "hand_rebuilt_inputs", "layout_regions", "prune_tiled", "staged_regions",
-           "whole_rebuilds_where_room",
-           "stash_where_room", "store_tiled_outputs", "untile_where_room"]
+__all__ = [
+    "at_least_as_frugal",
+    "extra_cost",
+    "first_fitting_layout",
+    "greedy_prune",
+    "hand_rebuilt_inputs",
+    "layout_regions",
+    "prune_tiled",
+    "staged_regions",
+    "stash_where_room",
+    "store_tiled_outputs",
+    "untile_where_room",
+    "whole_rebuilds_where_room",
+]
 
 log = logging.getLogger(__name__)
 
