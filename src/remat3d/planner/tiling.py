@@ -36,7 +36,10 @@ NOTE [ Tiling layouts ]
      layouts with two levels took 24 s to verify at 5.4x the FLOPs before this rule);
      ``"chain+rebuild"`` fuses as ``"chain"`` does and rebuilds the other such outputs.
      Each tiled run that reads a rebuilt output computes it in tiles in its backward
-     (rule 12).
+     (rule 12), so a stage that ``"chain"`` fuses into its one reader costs that reader's
+     backward the same whether rebuilt or fused, and fused it is never whole, nor is its
+     gradient: ``"rebuild"`` is a layout only where ``"chain+rebuild"`` fuses nothing
+     more (rule 5).
   4. Stages that are not tiled are recomputed (regions that keep only their inputs); the
      planner then verifies each layout on the meta device, cheapest expected first, and
      prunes the first that fits: each recomputed stage, costliest first, is kept (else
@@ -49,6 +52,9 @@ NOTE [ Tiling layouts ]
      without it, repaired or in the fine sweep, cost less); then ``all`` level by level;
      within each, larger tiles first; the fine sweep (below) after the coarse one, in
      each of the three parts.
+     A ``"rebuild"`` layout that ``"chain+rebuild"`` differs from is not made (rule 3;
+     at 512³ its verification took 10-20 s of nnU-Net v2's and ResEnc-L's searches and
+     never fitted where the other did not).
      Full fusion comes last because it recomputes a stage with normalisations in every
      reader's run (each normalisation costs a pass over the run: nnU-Net at 512³, ``all``
      at one level costs 3.5x the FLOPs, two levels of ``none`` 2.5x); ``host`` copies
@@ -344,6 +350,8 @@ def layouts(graph: CostGraph, model: StageModel, tileable: list[bool],
                 continue
             for t in sizes:
                 tiled = facts.tiled(chosen, fuse, t)
+                if fuse == "rebuild" and tiled != facts.tiled(chosen, "chain+rebuild", t):
+                    continue  # rule 5: "chain+rebuild" is no costlier and holds less
                 key = tuple(sorted(tiled.items()))
                 if key in seen:  # e.g. "chain" equal to "none" on this graph
                     continue
