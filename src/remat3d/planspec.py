@@ -74,10 +74,10 @@ class Region:
         hand_inputs: with ``rebuild``, the last reader's rebuild hands the inputs it
             rebuilt (rebuilt outputs of other regions) to this region's own backward
             instead of letting them go (rule 6 of the same NOTE): one rebuild fewer.
-        rebuild_in_tiles: a ``"tile"`` region whose backward never makes the rebuilt
-            outputs it reads (other regions' ``rebuild``) whole: each of its tiles
-            computes the part it reads (rule 7 of the same NOTE): those outputs absent
-            from its backward too, for their ops once per pass of it.
+        rebuild_in_tiles: a ``"tile"`` region whose backward (and each rebuild of it)
+            never makes the rebuilt outputs it reads (other regions' ``rebuild``) whole:
+            each of its tiles computes the part it reads (rule 7 of the same NOTE): those
+            outputs absent from its backward too, for their ops once per pass of it.
     """
 
     module: str

@@ -285,3 +285,38 @@ def test_rebuilt_in_tiles_from_outputs_rebuilt_in_tiles_or_whole(
     _two_level_loss(mods, x, rebuild=True, hand=hand, in_tiles=in_tiles).backward()
     for got, ref in zip(_grads(mods, x), want):
         assert torch.allclose(got, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_a_run_reading_in_tiles_is_rebuilt_from_parts_of_its_inputs() -> None:
+    """Rule 7: a run made with ``rebuild_in_tiles`` and rebuilt whole for its reader's
+    backward reads its own rebuilt input in parts: the full-resolution output is never
+    whole beside the half-resolution one while it is rebuilt. The stored step's gradients
+    up to rounding order (float64)."""
+    def step(mods: list[nn.Module], x: torch.Tensor, rebuild: bool, in_tiles: bool
+             ) -> torch.Tensor:
+        stem, _, down, _, _ = mods
+        s0 = remat3d.tile(stem, x, tile=8, share_grads=True, rebuild=rebuild)
+        with labelled("down"):
+            s1 = remat3d.tile(down, s0, tile=4, share_grads=True, rebuild=rebuild,
+                              rebuild_in_tiles=in_tiles)
+        return remat3d.tile(nn.functional.relu, s1, tile=4).square().sum()
+
+    mods = _two_levels()
+    x = torch.randn(1, 1, 12, 10, 8, dtype=torch.float64, requires_grad=True)
+    used = [mods[0], mods[2]]
+    step(mods, x, False, False).backward()
+    want = _grads(used, x)
+    step(mods, x, True, True).backward()
+    for got, ref in zip(_grads(used, x), want):
+        assert torch.allclose(got, ref, rtol=1e-9, atol=1e-11)
+    peaks = []
+    for in_tiles in (False, True):
+        mods = _two_levels("meta", torch.float32)
+        x = torch.empty(1, 1, 32, 32, 32, device="meta")
+        with MemoryTracker("meta") as tracker:
+            tracker.register(list(nn.ModuleList(mods).parameters()), "param")
+            loss = step(mods, x, True, in_tiles)
+            tracker.phase = "backward"
+            loss.backward()
+        peaks.append(tracker.window_peaks()["down"]["rebuild"])
+    assert peaks[0] - peaks[1] >= 0.9 * 6 * 32 ** 3 * 4  # the stem's output, less a part

@@ -128,7 +128,10 @@ NOTE [ Rebuilt tiled outputs ]
      reader's backward (k + 1 with k normalisations) plus the halo overlap, where a
      whole rebuild makes them once; and the values are the forward's up to rounding
      order (a tile computes them over another region), as tiles always are, not
-     bitwise. A run of several outputs is rebuilt whole all the same.
+     bitwise. A run of several outputs is rebuilt whole all the same. Such a reader's
+     own rebuilds (it is a rebuilt run whose readers rebuild it whole) compute its
+     rebuilt inputs so too: an encoder stage rebuilt whole for its reader's backward
+     reads the stem's output in parts, never whole beside its own.
   Cost: one output pass of the producing run per tiled reader (and per rebuild that
   needs it, rule 5), about one forward of its stage; the price in memory is the output
   inside each reader's backward only.
@@ -850,8 +853,8 @@ class Rebuild:
                 made[key] = (TileSource(self, _saved_inputs(self.ctx, made, in_tiles=True)),)
             return made[key][0]  # type: ignore[no-any-return]
         outs = made.get(id(self))
-        if outs is None:
-            inputs = _saved_inputs(self.ctx, made)
+        if outs is None:  # its own rebuilt inputs as its backward takes them (rule 7)
+            inputs = _saved_inputs(self.ctx, made, in_tiles=self.run.rebuild_in_tiles)
             with torch.no_grad(), recomputing(), self.ctx.amp.restore(), \
                     _restoring_buffers():
                 outs = made[id(self)] = tuple(self.run.rebuild([x.detach()
@@ -945,9 +948,9 @@ def tile(fn: Callable[..., Any], *inputs: torch.Tensor, tile: TileSize = 64,
     backwards runs this run's forward again (NOTE [ Rebuilt tiled outputs ]): the outputs
     are whole only inside those backwards, at one forward more per reader;
     ``hand_inputs=True``: the last of those rebuilds hands the inputs it rebuilt to this
-    run's own backward (rule 6). ``rebuild_in_tiles=True``: this run's backward computes
-    each tile's part of the rebuilt outputs it reads, never the whole of them (rule 7):
-    less memory, more compute.
+    run's own backward (rule 6). ``rebuild_in_tiles=True``: this run's backward (and each
+    rebuild of it) computes each tile's part of the rebuilt outputs it reads, never the
+    whole of them (rule 7): less memory, more compute.
 
     >>> import torch, remat3d
     >>> block = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1),
