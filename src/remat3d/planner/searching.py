@@ -243,7 +243,7 @@ class _Search:
                     if r.decision == Decision.TILE})
                 # NOTE [ Tiling layouts ] rules 8, 9 and 4: the room the layout left
                 tiled = store_tiled_outputs(tiled, self.budget, self.stages, self.check,
-                                            saves)
+                                            saves, readers)
                 tiled = untile_where_room(tiled, self.budget, self.stages, self.check,
                                           norms, readers, self.p.options.recomputable)
                 tiled = stash_where_room(tiled, self.budget, self.stages, self.check, norms,

@@ -73,6 +73,27 @@ def layout_regions(stages: StageModel, layout: Layout,
     return regions
 
 
+def _runs_in_tiles(plan: Plan, stages: StageModel, p: int,
+                   readers: list[set[int | None]] | None) -> list[Region] | None:
+    """The tiled runs that read stage ``p``'s output (themselves or through fused
+    producers they compute), where every one computes it in tiles (NOTE [ Tiling
+    layouts ] rule 12); None where one does not, or something else reads it."""
+    if readers is None:
+        return None
+    by_index = {st.index: r for r, st in staged_regions(plan, stages)}
+    todo, runs = [p], []
+    while todo:
+        for s in readers[todo.pop()]:
+            r = by_index.get(s) if s is not None else None
+            if r is None or r.decision != Decision.TILE:
+                return None  # the loss, glue or a stage run whole keeps it
+            if r.fuse:
+                todo.append(s)  # type: ignore[arg-type]
+            else:
+                runs.append(r)
+    return runs if runs and all(r.rebuild_in_tiles for r in runs) else None
+
+
 def _reading_rebuilt(layout: Layout, readers: list[set[int | None]]) -> set[int]:
     """The layout's tiled runs that read a rebuilt output, themselves or through the
     fused producers they compute (a fused stage's reader runs it)."""
@@ -264,7 +285,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
 
 
 def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Check,
-                        saves: list[float]) -> Plan:
+                        saves: list[float],
+                        readers: list[set[int | None]] | None = None) -> Plan:
     """A tiled plan's fused, rebuilt and host-resident outputs stored on the device where
     the verified peak still fits (NOTE [ Tiling layouts ] rule 8), the largest expected
     saving first.
@@ -279,7 +301,10 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
     lowers the extra FLOPs; then rebuilt outputs (the costliest run first: storing saves
     its forward again), likewise; then host outputs, stored where the FLOPs do not grow. A
     trial is verified only when the output (stored, a whole tensor on the device) fits
-    the room the budget has left above the verified peak, by the stage model's bytes.
+    the room the budget has left above the verified peak, by the stage model's bytes
+    (a rebuilt output that a reader rebuilds whole is whole in that reader's backward
+    already: measured; one that every reader computes in tiles, rule 12, is never whole
+    after its forward: checked; ``readers`` per stage, ``tiling.stage_readers``).
     """
     steps = [(r, st) for r, st in staged_regions(best, stages)
              if r.decision == Decision.TILE and (r.fuse or r.host or r.rebuild)
@@ -294,9 +319,17 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
         # the output, whole from its forward to its readers' backward (its gradient, whole
         # too, need not be alive at the peak: ResEnc-L at 512³, 24 GiB, stores a 2 GiB
         # output for 0.95 GiB more); a rebuilt output is whole in its readers' backwards
-        # already, so what storing it adds is not bounded by its bytes: measured
-        added = 0 if region.rebuild else st.output_bytes
-        if added > budget - (current.verified_peak_bytes or 0):
+        # already, so what storing it adds is not bounded by its bytes: measured; one its
+        # readers compute in tiles is never whole there: stored, it is whole until their
+        # backwards end, and is checked against the room above what they held
+        runs = _runs_in_tiles(current, stages, st.index, readers) if region.rebuild else None
+        if region.rebuild and runs is None:
+            added, room = 0, 0
+        else:
+            added = st.output_bytes
+            room = min((_room(current, budget, r.label) for r in runs or ()),
+                       default=budget - (current.verified_peak_bytes or 0))
+        if added > room:
             log.info("%s: its output (%s) does not fit the room left; not stored", region.label,
                      format_bytes(added))
             return
