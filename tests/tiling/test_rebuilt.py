@@ -155,6 +155,18 @@ def test_a_plan_rebuilds_a_tiled_output() -> None:
     for got, want in zip(*grads):
         assert torch.equal(got, want)
     assert "output rebuilt" in plan.summary()
+    # the readers computing it in tiles (rule 7): the same up to rounding order
+    model = _Skip()
+    plan = Plan(regions=[Region("stem", decision="tile", tile=[4, 5, 3], rebuild=True),
+                         *(Region(m, decision="tile", tile=[4, 4, 4], rebuild_in_tiles=True)
+                           for m in "ab")])
+    remat3d.apply(model, plan)
+    model(x).square().sum().backward()
+    for got, want in zip([p.grad for p in model.parameters()], grads[0]):
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-11)
+    assert "(rebuilt inputs in tiles)" in plan.summary()
+    with pytest.raises(PlanError, match="rebuild_in_tiles applies"):
+        Region("stem", decision="recompute", rebuild_in_tiles=True).check()
     with pytest.raises(PlanError, match="rebuild applies"):
         Region("stem", decision="tile", tile=[4], host=True, rebuild=True).check()
     with pytest.raises(PlanError, match="hand_inputs applies"):

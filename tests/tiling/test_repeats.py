@@ -60,6 +60,22 @@ def test_a_tiled_step_measures_the_same_with_repeats_booked(norm):
         assert ran["flops"]["recompute"] > 0
 
 
+@pytest.mark.parametrize("in_tiles", [False, True])
+def test_rebuilt_outputs_measure_the_same_with_repeats_booked(in_tiles):
+    """The skip rebuilt for its readers' backwards, whole or in parts their tiles compute
+    (NOTE [ Rebuilt tiled outputs ] rule 7: a tile's key holds its parts' shapes too)."""
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    shape = (1, 1, 16, 16, 16)
+    for tile in ([16, 4, 4], [16, 6, 5]):
+        plan = Plan(regions=[
+            Region("input_block", decision="tile", tile=tile, rebuild=True),
+            Region("downsamples.0", decision="tile", tile=[t // 2 for t in tile],
+                   rebuild_in_tiles=in_tiles),
+            Region("upsamples.1", decision="tile", tile=tile, rebuild_in_tiles=in_tiles)])
+        ran = _same_with_and_without(net, plan, shape)
+        assert ran["flops"]["recompute"] > 0
+
+
 def test_under_autocast_and_for_the_plan_the_planner_chooses():
     net = _dynunet(NORM_NAMES["instance"], torch.float32)
     shape = (1, 1, 32, 32, 32)
