@@ -387,9 +387,7 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         regions = [w for r in current.regions for w in (whole if _same(r, region) else [r])]
         yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
 
-    def cheaper(candidate: Plan, current: Plan) -> bool:
-        return (candidate.verified_peak_bytes or 0) <= budget and \
-            extra_cost(candidate) < extra_cost(current)
+    cheaper = _fits_with_fewer_flops(budget)
 
     return greedy_prune(best, steps, trials, cheaper)
 
@@ -462,9 +460,7 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
                      region.label, j)
             yield check(_replaced(current, region, stash="device", stash_norms=[j]))
 
-    def cheaper(candidate: Plan, current: Plan) -> bool:
-        return (candidate.verified_peak_bytes or 0) <= budget and \
-            extra_cost(candidate) < extra_cost(current)
+    cheaper = _fits_with_fewer_flops(budget)
 
     def second(step: tuple[Region, list[tuple[int, float]], float], current: Plan
                ) -> Iterator[Plan]:
@@ -517,6 +513,15 @@ def _norm_inputs(run: list[Stage], norms: list[int]) -> list[tuple[int, float]]:
     return out
 
 
+def _fits_with_fewer_flops(budget: int) -> Callable[[Plan, Plan], bool]:
+    """The test of a trial in rules 9-12: it fits ``budget`` and costs fewer extra FLOPs
+    than the plan it would replace."""
+    def cheaper(candidate: Plan, current: Plan) -> bool:
+        return (candidate.verified_peak_bytes or 0) <= budget and \
+            extra_cost(candidate) < extra_cost(current)
+    return cheaper
+
+
 def _replaced(plan: Plan, region: Region, **changes: object) -> Plan:
     """A copy of ``plan`` with ``region``'s fields changed (a trial of rules 8 and 10)."""
     regions = [dataclasses.replace(r, **changes) if _same(r, region)  # type: ignore[arg-type]
@@ -541,9 +546,7 @@ def hand_rebuilt_inputs(best: Plan, budget: int, stages: StageModel, check: Chec
         log.info("trying %s handing its rebuilt inputs to its own backward", region.label)
         yield check(_replaced(current, region, hand_inputs=True))
 
-    def cheaper(candidate: Plan, current: Plan) -> bool:
-        return (candidate.verified_peak_bytes or 0) <= budget and \
-            extra_cost(candidate) < extra_cost(current)
+    cheaper = _fits_with_fewer_flops(budget)
 
     return greedy_prune(best, steps, trials, cheaper)
 
@@ -583,9 +586,7 @@ def whole_rebuilds_where_room(best: Plan, budget: int, stages: StageModel, check
         log.info("trying %s rebuilding its rebuilt inputs whole", region.label)
         yield check(_replaced(current, region, rebuild_in_tiles=False))
 
-    def cheaper(candidate: Plan, current: Plan) -> bool:
-        return (candidate.verified_peak_bytes or 0) <= budget and \
-            extra_cost(candidate) < extra_cost(current)
+    cheaper = _fits_with_fewer_flops(budget)
 
     return greedy_prune(best, steps, trials, cheaper)
 
