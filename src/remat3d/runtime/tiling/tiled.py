@@ -290,6 +290,7 @@ class TiledRun:
             for plan, owned, outs in zip(self.plans, self.owned, self.out_owned)]
         self.stash_nodes = self._stash_nodes() if stash else {}
         self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
+        self._region_plans: dict[Region, dict[int, Region]] = {}
         self._digest: str | None = None
 
     def digest(self) -> str:
@@ -435,13 +436,23 @@ class TiledRun:
         xt = crop(x, whole_region(x), region)
         return to_device(xt, self.device) if self.host_inputs[i] else xt
 
+    def region_plan(self, want: Region) -> dict[int, Region]:
+        """What each node computes for the run's one output over ``want`` (kept: a
+        reader's tiles ask for the same regions in each of its passes)."""
+        plan = self._region_plans.get(want)
+        if plan is None:
+            tr = self.trace
+            plan = self._region_plans[want] = needed_regions(tr.spatial_ops, tr.sizes,
+                                                             {tr.outputs[0]: want})
+        return plan
+
     def part_of_output(self, inputs: Sequence[torch.Tensor | TileSource], want: Region
                        ) -> torch.Tensor:
         """The run's one output over ``want``, computed from ``inputs`` with the
         statistics its forward gathered (NOTE [ Rebuilt tiled outputs ] rule 7): the
         ops compute what ``want`` needs of them, no more. Call it without grad."""
         tr = self.trace
-        plan = needed_regions(tr.spatial_ops, tr.sizes, {tr.outputs[0]: want})
+        plan = self.region_plan(want)
         local = []
         for i, (x, node) in enumerate(zip(inputs, tr.inputs)):
             xt = self._input_part(i, x, plan.get(node, ((0, 1),) * 3))
@@ -898,7 +909,7 @@ class TileSource:
         """The shapes of everything a part over ``want`` computes (a tile's repeat key)."""
         run = self.source.run
         tr = run.trace
-        plan = needed_regions(tr.spatial_ops, tr.sizes, {tr.outputs[0]: want})
+        plan = run.region_plan(want)
         return (tuple((node, _shape(region, tr.sizes[node]))
                       for node, region in sorted(plan.items())),
                 tuple(x.key(plan.get(node, ((0, 1),) * 3))
