@@ -120,6 +120,28 @@ def _op_name(func: Any) -> str:
     return name.rstrip("_") if not name.startswith("_") else name
 
 
+# what each function is to the casting rules, by its name (a function's name never
+# changes: looked up once per function, not on every call)
+_OTHER, _LOWER, _FP32, _FP32_UNLESS_DTYPE, _FP32_UNLESS_AREA, _PROMOTE = range(6)
+_KINDS: dict[Any, int] = {}
+# the pending fused-output class among an op's argument types, None: none (by the tuple)
+_PENDING: dict[tuple[type, ...], type | None] = {}
+_UNSEEN = object()
+
+
+def _kind(func: Any) -> int:
+    name = _op_name(func)
+    if name in LOWER_PRECISION_OPS:
+        return _LOWER
+    if name in FP32_OPS:
+        return _FP32
+    if name in FP32_SET_OPT_DTYPE_OPS:
+        return _FP32_UNLESS_DTYPE
+    if PYTHON_WRAPPERS.get(name) == "fp32":
+        return _FP32_UNLESS_AREA
+    return _PROMOTE if name in PROMOTE_OPS else _OTHER
+
+
 def _eligible(x: Any, any_device: bool = False) -> bool:
     return (
         isinstance(x, torch.Tensor)
@@ -177,25 +199,29 @@ class MetaAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        pending = [t for t in types if t is not torch.Tensor and hasattr(t, "materialize")]
-        if pending:
+        pending = _PENDING.get(types, _UNSEEN)
+        if pending is _UNSEEN:
+            pending = _PENDING[types] = next(
+                (t for t in types if t is not torch.Tensor and hasattr(t, "materialize")), None)
+        if pending is not None:
             # a pending fused tiled output (runtime/tiling/fused.py) answers shape queries
             # itself and is computed before any other op
-            if pending[0].is_metadata(func):
+            if pending.is_metadata(func):
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
             args, kwargs = tree_map(
                 lambda a: a.materialize() if hasattr(type(a), "materialize") else a,
                 (args, kwargs))
-        name = _op_name(func)
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
         target: torch.dtype | None = None
-        if name in LOWER_PRECISION_OPS:
+        if kind == _LOWER:
             target = self.dtype
-        elif (name in FP32_OPS
-              or (name in FP32_SET_OPT_DTYPE_OPS and kwargs.get("dtype") is None)
-              or (PYTHON_WRAPPERS.get(name) == "fp32" and kwargs.get("mode") != "area")):
+        elif kind == _FP32 or (kind == _FP32_UNLESS_DTYPE and kwargs.get("dtype") is None) \
+                or (kind == _FP32_UNLESS_AREA and kwargs.get("mode") != "area"):
             target = torch.float32
-        elif name in PROMOTE_OPS:
+        elif kind == _PROMOTE:
             dtypes = [x.dtype for x in tree_leaves((args, kwargs))
                       if _eligible(x, self.any_device)]
             if dtypes:

@@ -18,6 +18,7 @@ NOTE [ Counting storages, not tensors ]
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class StorageLedger:
         self.live_bytes: dict[str, int] = {}
         self._next_uid = 0
         self._on_release = on_release
+        # id(storage) -> a weak reference whose callback releases it (a weakref.finalize
+        # would cost several times more per storage: it registers process-wide)
+        self._refs: dict[int, weakref.ref] = {}
 
     @staticmethod
     def key(t: torch.Tensor) -> int:
@@ -95,7 +99,7 @@ class StorageLedger:
         self._next_uid += 1
         self.records[key] = record
         self.live_bytes[device] = self.live_bytes.get(device, 0) + record.nbytes
-        weakref.finalize(storage, self._release, key)
+        self._refs[key] = weakref.ref(storage, functools.partial(self._died, key))
         return record
 
     def refresh(self, t: torch.Tensor) -> None:
@@ -108,6 +112,10 @@ class StorageLedger:
             self.live_bytes[record.device] += nbytes - record.nbytes
             record.nbytes = nbytes
 
+    def _died(self, key: int, _ref: weakref.ref) -> None:
+        self._refs.pop(key, None)
+        self._release(key)
+
     def _release(self, key: int) -> None:
         record = self.records.pop(key, None)
         if record is None:
@@ -117,6 +125,7 @@ class StorageLedger:
             self._on_release(record)
 
     def close(self) -> None:
-        """Stop reacting to releases (finalizers may outlive the ledger)."""
+        """Stop reacting to releases."""
         self._on_release = None
         self.records = {}
+        self._refs = {}

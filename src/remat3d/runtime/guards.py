@@ -110,6 +110,9 @@ class BufferGuard:
             modules.on_enter.append(self.snapshot)
 
     def snapshot(self, module: nn.Module) -> None:
+        if not any(buf is not None and (id(module), name) not in self._saved
+                   for name, buf in module._buffers.items()):
+            return  # most modules have no buffers: no modes left and re-entered for them
         with torch.no_grad(), _outside_modes():
             self._copy(module)
 
