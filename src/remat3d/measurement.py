@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat3d.instrument.step import prepare_step, run_step, time_step
+from remat3d.instrument.step import (
+    StepSetup,
+    prepare_step,
+    rare_full_collections,
+    run_step,
+    time_step,
+)
 from remat3d.instrument.tracker import PeakTensor
 from remat3d.runtime.graph_run import graph_plan_of, measure_applied_graph_plan
 
@@ -82,6 +89,12 @@ def measure(
         return _graph_step(model, inputs, amp, loss_fn)
     setup = prepare_step(model, inputs, device, amp, loss_fn)
     seconds = time_step(setup, repeats) if setup.device != "meta" else None
+    on_meta = setup.device == "meta"
+    with rare_full_collections() if on_meta else contextlib.nullcontext():
+        return _measured(setup, seconds)
+
+
+def _measured(setup: StepSetup, seconds: float | None) -> Measurement:
     tracker = run_step(setup, replays=_REPLAYS)  # NOTE [ Repeats on meta ]
     try:
         return Measurement(

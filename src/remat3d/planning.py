@@ -61,7 +61,12 @@ from remat3d.errors import (
     Remat3dError,
 )
 from remat3d.instrument.amp import amp_dtype
-from remat3d.instrument.step import example_input, input_dtype, meta_copy
+from remat3d.instrument.step import (
+    example_input,
+    input_dtype,
+    meta_copy,
+    rare_full_collections,
+)
 from remat3d.instrument.tracker import shared_repeats
 from remat3d.measurement import measure
 from remat3d.planner.graph_search import search_graph
@@ -142,6 +147,7 @@ def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: st
                     m.peak_modules[0] if m.peak_modules else None, m.tiled_peaks)
 
 
+@rare_full_collections()  # the search's meta steps make millions of objects
 def plan(
     model: nn.Module,
     *inputs: Any,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -182,3 +183,54 @@ def test_recomputation_is_its_own_phase():
     assert [i.name for i in recomputed] == ["block", "block.0", "block.1"]
     assert tr.flops["recompute"] == tr.flops["forward"] > 0
     assert any(e.phase == "recompute" for e in tr.timeline)
+
+
+def test_flops_agree_with_flop_counter_mode():
+    """op_flops hands the registry's formulas shapes itself (no tree_map): the counts stay
+    FlopCounterMode's, forward and backward, for convolutions, matmuls and attention."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def step(device: str) -> None:
+        x = torch.randn(2, 3, 8, 8, 8, device=device, requires_grad=True)
+        conv = nn.Conv3d(3, 4, 3, padding=1).to(device)
+        q = torch.randn(1, 2, 16, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 5, device=device, requires_grad=True)
+        y = conv(x).sum() + F.scaled_dot_product_attention(q, q, q).sum() + (q @ w).sum()
+        y = y + torch.addmm(w[:1], torch.randn(3, 8, device=device), w).sum()
+        y.backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step("meta")
+    with MemoryTracker("meta") as tracker:
+        step("meta")
+    assert sum(tracker.flops.values()) == counter.get_total_flops() > 0
+
+
+def test_map_leaves_is_tree_map_for_op_arguments():
+    from collections import namedtuple
+
+    from torch.utils._pytree import tree_map
+
+    from remat3d.instrument.tensors import map_leaves
+
+    pair = namedtuple("pair", "a b")
+    t = torch.zeros(2)
+    for value in ((t, [1, (t, 2.0)], {"k": t, "s": torch.Size([3])}),
+                  [pair(t, 1), {"p": pair(2, t)}], None):
+        got = map_leaves(lambda v: ("T", v.shape) if isinstance(v, torch.Tensor) else v, value)
+        want = tree_map(lambda v: ("T", v.shape) if isinstance(v, torch.Tensor) else v, value)
+        assert got == want and type(got) is type(want)
+
+
+def test_a_failing_plan_leaves_the_garbage_collector_as_it_was():
+    import gc
+
+    import remat3d
+    from remat3d.errors import Remat3dError
+
+    before = gc.get_threshold()
+    net = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 1, 1))
+    with pytest.raises(Remat3dError):
+        remat3d.plan(net, (1, 1, 8, 8, 8), budget="1B", tile=False)
+    assert gc.get_threshold() == before

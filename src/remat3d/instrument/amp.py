@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from remat3d.instrument.tensors import map_leaves
 from remat3d.units import parse_amp
 
 __all__ = [
@@ -227,7 +228,7 @@ class MetaAutocast(TorchFunctionMode):
             if dtypes:
                 target = max(dtypes, key=lambda d: _WIDTH.get(d, 1))
         if target is not None:
-            args, kwargs = tree_map(lambda x: self._cast(x, target), (args, kwargs))
+            args, kwargs = map_leaves(lambda x: self._cast(x, target), (args, kwargs))
         return func(*args, **kwargs)
 
     def __exit__(self, *exc: object) -> Any:

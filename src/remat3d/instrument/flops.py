@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils.flop_counter import flop_registry
+
+from remat3d.instrument.tensors import map_leaves
 
 __all__ = ["op_flops"]
 
@@ -21,4 +24,14 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     formula = flop_registry.get(func._overloadpacket)
     if formula is None:
         return 0
-    return int(formula(*args, **kwargs, out_val=out))
+    inner = getattr(formula, "__wrapped__", None)
+    if inner is None:  # not the registry's shape_wrapper: the formula takes tensors
+        return int(formula(*args, **kwargs, out_val=out))
+    # what shape_wrapper hands the formula, without its general tree_map: every op of a
+    # verified step comes through here
+    shaped_args, shaped_kwargs, out_shape = map_leaves(_shape, (args, kwargs, out))
+    return int(inner(*shaped_args, out_shape=out_shape, **shaped_kwargs))
+
+
+def _shape(value: Any) -> Any:
+    return value.shape if isinstance(value, torch.Tensor) else value

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from remat3d.halo import (
     Region,
@@ -49,7 +48,7 @@ from remat3d.halo import (
     interpolate_input_interval,
     region_size,
 )
-from remat3d.instrument.tensors import tensors_in
+from remat3d.instrument.tensors import map_leaves, tensors_in
 from remat3d.runtime.tiling.signatures import bind, func_name
 from remat3d.runtime.tiling.trace import NormSpec, TilingError, Trace, TracedOp
 
@@ -347,7 +346,7 @@ class TileMode(TorchFunctionMode):
                 return crop(t, region_of(t), want)
             return t
 
-        return func(*tree_map(fit, args), **tree_map(fit, kwargs))
+        return func(*map_leaves(fit, args), **map_leaves(fit, kwargs))
 
     # -- normalisation (NOTE rule 4) -----------------------------------------------------
     def _norm(self, op, func, args, kwargs, want):  # type: ignore[no-untyped-def]
