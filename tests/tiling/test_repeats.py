@@ -231,3 +231,21 @@ def test_the_planner_chooses_the_same_plan_with_its_candidates_sharing_tiles(mon
     remat3d.planning.clear_plan_cache()
     assert plans[True].tiled, plans[True].summary()
     assert plans[True].to_dict() == plans[False].to_dict()
+
+
+def test_a_far_edge_tile_is_keyed_as_its_mirror_image():
+    """Rule 6: on a 4-tile axis the near and far edge tiles are one shape (mirror images),
+    the two inner ones another: 8 shapes for 64 tiles, not 27. Booked so, a tiled step
+    still measures what running every tile does."""
+    from torch import nn
+
+    from remat3d.runtime.tiling.tiled import TiledRun
+
+    block = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.InstanceNorm3d(2),
+                          nn.LeakyReLU(), nn.Conv3d(2, 1, 3, padding=1))
+    run = TiledRun(block, [torch.randn(1, 1, 16, 16, 16)], 4)
+    assert len(run.tiles) == 64 and len(set(run.shapes)) == 8
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    plan = Plan(regions=[Region("input_block", decision="tile", tile=[4, 4, 4]),
+                         Region("upsamples.1", decision="tile", tile=[4, 4, 4])])
+    _same_with_and_without(net, plan, (1, 1, 16, 16, 16))

@@ -88,7 +88,12 @@ class InvocationRecorder:
         self._handles = []
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
+        own: list[int] = []  # the module's own parameter bytes, counted at its first call
+
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not own:
+                own.append(sum(p.numel() * p.element_size()
+                               for p in module.parameters(recurse=False)))
             phase = "recompute" if self._phase() != "forward" else "forward"
             key = (name, phase)
             call_index = self._calls.get(key, 0)
@@ -103,8 +108,7 @@ class InvocationRecorder:
                 depth=len(self._stack),
                 phase=phase,
                 seq_start=torch._C._autograd._get_sequence_nr(),
-                param_bytes=sum(p.numel() * p.element_size()
-                                for p in module.parameters(recurse=False)),
+                param_bytes=own[0],
             )
             if parent is not None:
                 self.invocations[parent].children.append(inv.id)

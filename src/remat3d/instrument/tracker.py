@@ -20,7 +20,7 @@ made under ``placement("host")``, and the results of ops that read only host ten
 
 NOTE [ Repeats on meta ]
   A tiled run on meta runs the same ops on tiles of the same shapes over and over (a 512³
-  volume in 128³ tiles: 64 tiles a pass, 27 shapes). On meta an op's effect on the
+  volume in 128³ tiles: 64 tiles a pass, 8 shapes by rule 6). On meta an op's effect on the
   tracker is a function of shapes alone, so a tile whose shapes were seen in the same
   pass need not run:
   1. The caller (``runtime/tiling/tiled.py``) names a piece of work by everything its ops
@@ -49,6 +49,15 @@ NOTE [ Repeats on meta ]
      the ones running it would give; the peak's breakdown counts that high-water as
      transient, its timeline is one event (its high-water mark), and that event and its
      FLOPs are attributed to the invocation running when it is booked.
+  6. A tile at the far end of an axis (its output touches that axis's far border, not
+     its near one) is keyed as its mirror image on that axis: every region's border
+     flags swapped there (``runtime/tiling/tiled.py``, ``_shape``), the parts of rebuilt
+     inputs it computes alike. Its ops are the mirror's, on tensors of the same shapes
+     (a padding on the other side, a halo cropped from the other end), so it allocates,
+     frees and counts what the mirror does: the near and far edges of a 4-tile axis are
+     one shape, not two (a 512³ volume in 128³ tiles: 8 shapes a pass, not 27). The
+     first tile of a pass still runs: it makes the pass's accumulators, which its
+     mirror, recorded after them, does not.
   Equal peaks, FLOPs and timelines with and without replay are tested on tiled plans
   (``tests/tiling/test_repeats.py``), and equal peaks, peak modules, host peaks and FLOPs
   with and without booking across measurements.
@@ -120,7 +129,7 @@ class PeakTensor:
     phase: str
 
 
-@dataclass
+@dataclass(slots=True)  # millions of them in a verified 512³ step
 class TimelineEvent:
     """One op: where it ran and the live bytes (on the tracked device) around it."""
 

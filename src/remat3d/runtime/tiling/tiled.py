@@ -280,14 +280,19 @@ class TiledRun:
                     "run's outputs; a tiled run must be one computation ending in the "
                     "tensors it returns.")
         self.stats = [Stats(tr.ops[i].norm) for i in tr.norms]  # type: ignore[arg-type]
-        # what a tile's ops depend on, but where it lies (NOTE [ Repeats on meta ] rule 1)
+        # what a tile's ops depend on, but where it lies (NOTE [ Repeats on meta ] rule 1),
+        # a tile at the far end of an axis seen as its mirror image (rule 6)
         sizes = {**tr.sizes}
+        self.flips = [tuple(hi == n and lo != 0 for (lo, hi), n in zip(t, out_size))
+                      for t in self.tiles]
         self.shapes = [
-            (tuple((node, _shape(region, sizes[node])) for node, region in sorted(plan.items())),
-             tuple(_shape(r, tr.sizes[tr.ops[i].spatial.inputs[0]])
+            (tuple((node, _shape(region, sizes[node], flip))
+                   for node, region in sorted(plan.items())),
+             tuple(_shape(r, tr.sizes[tr.ops[i].spatial.inputs[0]], flip)
                    for r, i in zip(owned.values(), tr.norms)),
-             tuple(_shape(r, tr.sizes[node]) for r, node in zip(outs, tr.outputs)))
-            for plan, owned, outs in zip(self.plans, self.owned, self.out_owned)]
+             tuple(_shape(r, tr.sizes[node], flip) for r, node in zip(outs, tr.outputs)))
+            for plan, owned, outs, flip in zip(self.plans, self.owned, self.out_owned,
+                                               self.flips)]
         self.stash_nodes = self._stash_nodes() if stash else {}
         self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
         self._region_plans: dict[Region, dict[int, Region]] = {}
@@ -686,18 +691,23 @@ def _layout(tensors: Sequence[torch.Tensor | TileSource | None]) -> tuple:
                  else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
-def _shape(region: Region, size: Sequence[int]) -> tuple[tuple[int, bool, bool], ...]:
-    """A region as a tile's ops see it: its extent, and whether it touches each border."""
-    return tuple((hi - lo, lo == 0, hi == n) for (lo, hi), n in zip(region, size))
+def _shape(region: Region, size: Sequence[int], flip: Sequence[bool] = (False,) * 3
+           ) -> tuple[tuple[int, bool, bool], ...]:
+    """A region as a tile's ops see it: its extent, and whether it touches each border
+    (the near one first; on a ``flip`` axis, the far one: its mirror image's view)."""
+    return tuple((hi - lo, hi == n, lo == 0) if f else (hi - lo, lo == 0, hi == n)
+                 for (lo, hi), n, f in zip(region, size, flip))
 
 
 class _Repeats:
     """One pass's tiles on a replaying tracker (NOTE [ Repeats on meta ] in
     ``instrument/tracker.py``): a tile whose shapes a tile of the pass already had is
     booked from that one's record, not run; within ``shared_repeats()`` (rule 5), so is
-    one whose run, pass and shapes an earlier pass or step recorded. Elsewhere every tile
-    runs, and so does the last tile of the pass that writes the outputs (``last_runs``:
-    it keeps the buffers it updates; every other pass restores them). ``tag`` names the
+    one whose run, pass and shapes an earlier pass or step recorded (a tile at an axis's
+    far end keyed as its mirror image, rule 6). Elsewhere every tile runs, and so do the
+    first tile of each pass (it makes the accumulators) and the last tile of the pass
+    that writes the outputs (``last_runs``: it keeps the buffers it updates; every other
+    pass restores them). ``tag`` names the
     pass (which one, and what its tiles depend on besides their shapes)."""
 
     def __init__(self, run: TiledRun, tag: tuple,
@@ -716,7 +726,10 @@ class _Repeats:
             self.tracker.phase, repr(AmpState.capture(run.device)))
 
     def replayed(self, k: int) -> bool:
-        if self.tracker is None or (self.last_runs and k == len(self.run.tiles) - 1):
+        # the first tile runs: it makes the pass's accumulators (statistics, sums,
+        # gradients), which a booked mirror of it (rule 6) would not
+        if self.tracker is None or k == 0 or \
+                (self.last_runs and k == len(self.run.tiles) - 1):
             return False
         shapes = self.shapes(k)
         repeat = self.seen.get(shapes)
@@ -731,9 +744,9 @@ class _Repeats:
     def shapes(self, k: int) -> tuple:
         if not self.sources:
             return self.run.shapes[k]
-        plan = self.run.plans[k]
+        plan, flip = self.run.plans[k], self.run.flips[k]
         return (self.run.shapes[k],
-                tuple(x.key(plan.get(node, ((0, 1),) * 3)) for x, node in self.sources))
+                tuple(x.key(plan.get(node, ((0, 1),) * 3), flip) for x, node in self.sources))
 
     @contextlib.contextmanager
     def recording(self, k: int) -> Iterator[None]:
@@ -905,14 +918,15 @@ class TileSource:
         """What a part depends on besides its region (NOTE [ Repeats on meta ] rule 5)."""
         return ("tiles", self.source.run.digest(), _layout(self.inputs))
 
-    def key(self, want: Region) -> tuple:
-        """The shapes of everything a part over ``want`` computes (a tile's repeat key)."""
+    def key(self, want: Region, flip: Sequence[bool]) -> tuple:
+        """The shapes of everything a part over ``want`` computes (a tile's repeat key;
+        ``flip``: the axes its reader's tile is seen mirrored on)."""
         run = self.source.run
         tr = run.trace
         plan = run.region_plan(want)
-        return (tuple((node, _shape(region, tr.sizes[node]))
+        return (tuple((node, _shape(region, tr.sizes[node], flip))
                       for node, region in sorted(plan.items())),
-                tuple(x.key(plan.get(node, ((0, 1),) * 3))
+                tuple(x.key(plan.get(node, ((0, 1),) * 3), flip)
                       for x, node in zip(self.inputs, tr.inputs) if isinstance(x, TileSource)))
 
 
