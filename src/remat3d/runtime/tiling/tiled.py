@@ -901,6 +901,7 @@ class TileSource:
         self.shape = torch.Size(run.trace.out_shapes[0])
         self.dtype = run.trace.out_dtypes[0]
         self.device = run.device
+        self._keys: dict[tuple[Region, tuple[bool, ...]], tuple] = {}  # (want, flip) -> key
 
     def detach(self) -> TileSource:
         return self
@@ -921,13 +922,18 @@ class TileSource:
     def key(self, want: Region, flip: Sequence[bool]) -> tuple:
         """The shapes of everything a part over ``want`` computes (a tile's repeat key;
         ``flip``: the axes its reader's tile is seen mirrored on)."""
+        key = self._keys.get((want, tuple(flip)))
+        if key is not None:  # a reader's tiles ask again in each of its passes
+            return key
         run = self.source.run
         tr = run.trace
         plan = run.region_plan(want)
-        return (tuple((node, _shape(region, tr.sizes[node], flip))
-                      for node, region in sorted(plan.items())),
-                tuple(x.key(plan.get(node, ((0, 1),) * 3), flip)
-                      for x, node in zip(self.inputs, tr.inputs) if isinstance(x, TileSource)))
+        key = self._keys[want, tuple(flip)] = (
+            tuple((node, _shape(region, tr.sizes[node], flip))
+                  for node, region in sorted(plan.items())),
+            tuple(x.key(plan.get(node, ((0, 1),) * 3), flip)
+                  for x, node in zip(self.inputs, tr.inputs) if isinstance(x, TileSource)))
+        return key
 
 
 def _gathered(dy: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor | None:
