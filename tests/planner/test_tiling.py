@@ -754,3 +754,39 @@ def test_runs_reading_rebuilt_outputs_compute_them_in_tiles_then_whole_where_roo
     verified.clear()
     assert whole_rebuilds_where_room(start, 100, stages, check, readers) is start  # no room
     assert verified == []
+
+
+def test_rebuilt_runs_reading_rebuilt_outputs_hand_their_inputs_on_where_they_fit(
+        graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 11: a rebuilt run that reads a rebuilt output (``up``
+    reads the rebuilt ``stem``) hands the inputs its last reader's rebuild made to its own
+    backward, one rebuild fewer, where the verified peak still fits and the FLOPs fall;
+    a rebuilt run reading nothing rebuilt is not tried."""
+    from remat3d.planner.tiled_plans import hand_rebuilt_inputs, layout_regions
+
+    graph, stages = graph_and_stages
+    readers = stage_readers(graph, stages)
+    chain = next(lay for lay in layouts(graph, stages, [True] * len(stages.stages),
+                                        tiles=(16,)) if lay.depth == 1
+                 and lay.fuse == "chain+rebuild")
+    rebuild = Layout(depth=1, fuse="rebuild", tile=16,
+                     tiled=_facts(graph, stages).tiled(sorted(chain.tiled), "rebuild", 16))
+    start = Plan(regions=layout_regions(stages, rebuild, readers=readers),
+                 verified_peak_bytes=100, extra_flops=1000, step_flops=1)
+    assert {r.module for r in start.regions if r.rebuild} == {"stem", "up"}
+    tried: list[list[str]] = []
+
+    def check(plan: Plan, cost: int) -> Plan:
+        handing = sorted(r.module for r in plan.regions if r.hand_inputs)
+        tried.append(handing)
+        plan.verified_peak_bytes = 100 + cost * len(handing)
+        plan.extra_flops = 1000 - 100 * len(handing)
+        return plan
+
+    chosen = hand_rebuilt_inputs(start, 150, stages, lambda p: check(p, 10), readers)
+    assert tried == [["up"]]
+    assert [r.module for r in chosen.regions if r.hand_inputs] == ["up"]
+    assert chosen.extra_flops == 900
+    tried.clear()  # over the budget: the plan as it was
+    assert hand_rebuilt_inputs(start, 150, stages, lambda p: check(p, 60), readers) is start
+    assert tried == [["up"]]
