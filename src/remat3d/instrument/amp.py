@@ -213,9 +213,12 @@ class MetaAutocast(TorchFunctionMode):
             args, kwargs = tree_map(
                 lambda a: a.materialize() if hasattr(type(a), "materialize") else a,
                 (args, kwargs))
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _KINDS[func] = _kind(func)
+        try:
+            kind = _KINDS.get(func)
+            if kind is None:
+                kind = _KINDS[func] = _kind(func)
+        except TypeError:  # a function that cannot be hashed: looked up each time
+            kind = _kind(func)
         target: torch.dtype | None = None
         if kind == _LOWER:
             target = self.dtype

@@ -12,11 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from remat3d.instrument.tensors import map_leaves
 
 __all__ = ["op_flops"]
+
+# the code of the wrapper shape_wrapper puts around a formula (the formulas it wraps take
+# shapes, and op_flops hands them shapes itself)
+_SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -25,7 +29,8 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     if formula is None:
         return 0
     inner = getattr(formula, "__wrapped__", None)
-    if inner is None:  # not the registry's shape_wrapper: the formula takes tensors
+    if inner is None or getattr(formula, "__code__", None) is not _SHAPE_WRAPPED:
+        # not wrapped by the registry's shape_wrapper: the formula takes tensors
         return int(formula(*args, **kwargs, out_val=out))
     # what shape_wrapper hands the formula, without its general tree_map: every op of a
     # verified step comes through here
