@@ -27,13 +27,16 @@ NOTE [ Repeats on meta ]
      depend on (each node's region sizes and which volume borders it touches) and
      brackets its first run with :meth:`MemoryTracker.begin_repeat` / ``end_repeat``.
   2. A run that ends with the live bytes it started with (device and host) is a
-     :class:`Repeat`: its FLOPs per invocation and phase, its timeline relative to its
-     start. One that allocated or freed for good (a first tile making an accumulator)
-     is not; the next tile of that shape is recorded instead.
+     :class:`Repeat`: its FLOPs per invocation and phase, its high-water mark above its
+     start and the op and modules there. One that allocated or freed for good (a first
+     tile making an accumulator) is not; the next tile of that shape is recorded
+     instead.
   3. :meth:`MemoryTracker.replay` books a repeat again only where the live bytes now are
      at or below where it started, on the device and the host: its high-water mark then
      stays at or below the recorded one, which the peak already holds, so peaks and their
-     breakdown cannot change. FLOPs and the timeline are added as if it ran.
+     breakdown cannot change. Its FLOPs are added as if it ran, and its timeline is one
+     event, its high-water mark (what a window's peak and a later recording read of it:
+     a replayed tile's thousand events cost more than all else a replay does).
   4. Only trackers made with ``replays=True`` (``measure()`` on meta: what plans are
      verified with) replay; ``profile()`` does not (a replayed tile makes no invocation
      records or edges). The caller still runs every tile whose side effects matter (the
@@ -58,7 +61,8 @@ NOTE [ Repeats on meta ]
      one shape, not two (a 512³ volume in 128³ tiles: 8 shapes a pass, not 27). The
      first tile of a pass still runs: it makes the pass's accumulators, which its
      mirror, recorded after them, does not.
-  Equal peaks, FLOPs and timelines with and without replay are tested on tiled plans
+  Equal peaks, FLOPs, window peaks and the timeline's high-water marks with and
+  without replay are tested on tiled plans
   (``tests/tiling/test_repeats.py``), and equal peaks, peak modules, host peaks and FLOPs
   with and without booking across measurements.
 
@@ -154,13 +158,12 @@ class EdgeRecord:
 @dataclass
 class Repeat:
     """What one run of a repeatable piece of a meta step did (NOTE [ Repeats on meta ]):
-    the live bytes it started and ended at, its FLOPs, and its timeline, relative."""
+    the live bytes it started and ended at, its FLOPs, and its high-water mark."""
 
     live: int
     host: int
     flops: list[tuple[tuple[int | None, str], int]]  # ((node, phase), flops) per op
-    events: list[TimelineEvent]  # live bytes relative to ``live``
-    # rule 5: its high-water mark above ``live`` on the device and above ``host`` on the
+    # rules 3 and 5: its high-water mark above ``live`` on the device and above ``host`` on the
     # host, the op there (name, phase) and the module invocations running, innermost
     # first; its FLOPs per phase
     high: int = 0
@@ -213,8 +216,8 @@ def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
     if kept is None and repeat is not None:
         if len(shared) >= _SHARED_LIMIT:
             shared.clear()
-        # what booking reads: not its ops' FLOPs and events one by one
-        kept = shared[key] = replace(repeat, flops=[], events=[])
+        # what booking reads: not its ops' FLOPs one by one
+        kept = shared[key] = replace(repeat, flops=[])
     return kept
 
 
@@ -422,31 +425,33 @@ class MemoryTracker(TorchDispatchMode):
         live, host = start.live, start.host
         if self.live() != live or self.ledger.live_bytes.get(HOST, 0) != host:
             return None
-        events = [TimelineEvent(e.op, e.node, e.phase, e.live_before - live,
-                                e.live_after - live) for e in self.timeline[start.first:]]
         high, top = 0, None
-        for i, e in enumerate(events):
-            if e.live_after > high:
-                high, top = e.live_after, i
+        for i in range(start.first, len(self.timeline)):
+            after = self.timeline[i].live_after - live
+            if after > high:
+                high, top = after, i
         phases: dict[str, int] = {}
         for (_, phase), flops in start.flops:
             phases[phase] = phases.get(phase, 0) + flops
-        return Repeat(live, host, start.flops, events, high, start.host_top - host,
-                      ("", "forward") if top is None else (events[top].op, events[top].phase),
-                      () if top is None else self._names(self.timeline[start.first + top].node),
+        event = None if top is None else self.timeline[top]
+        return Repeat(live, host, start.flops, high, start.host_top - host,
+                      ("", "forward") if event is None else (event.op, event.phase),
+                      () if event is None else self._names(event.node),
                       tuple(phases.items()))
 
     def replay(self, repeat: Repeat) -> bool:
         """Book ``repeat`` again without running it, where that is exact: live bytes now
         at or below where it started, on the device and the host, so it cannot raise a
-        peak; its FLOPs and timeline are added. False: run it."""
+        peak; its FLOPs are added, and one timeline event at its high-water mark (rule 3).
+        False: run it."""
         live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
         if live > repeat.live or host > repeat.host:
             return False
         for key, flops in repeat.flops:
             self._add_flops(key, flops)
-        self.timeline.extend(TimelineEvent(e.op, e.node, e.phase, e.live_before + live,
-                                           e.live_after + live) for e in repeat.events)
+        node = self.invocations.current() if self.invocations is not None else None
+        op, phase = repeat.high_event
+        self.timeline.append(TimelineEvent(op, node, phase, live, live + repeat.high))
         return True
 
     def book(self, repeat: Repeat) -> None:
