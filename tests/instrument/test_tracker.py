@@ -234,3 +234,33 @@ def test_a_failing_plan_leaves_the_garbage_collector_as_it_was():
     with pytest.raises(Remat3dError):
         remat3d.plan(net, (1, 1, 8, 8, 8), budget="1B", tile=False)
     assert gc.get_threshold() == before
+
+
+def test_rarer_full_collections_nest_and_overlap_across_threads():
+    """The threshold is process-wide: blocks that overlap (nested, or in two threads that
+    leave in the other order) put back what the first found when the last leaves."""
+    import gc
+    import threading
+
+    from remat3d.instrument.step import rare_full_collections
+
+    before = gc.get_threshold()
+    entered, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with rare_full_collections():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    with rare_full_collections():
+        raised = gc.get_threshold()
+        assert raised[2] >= 1000 and raised[:2] == before[:2]
+        thread.start()
+        assert entered.wait(10)
+        with rare_full_collections():
+            assert gc.get_threshold() == raised
+    assert gc.get_threshold() == raised  # the other thread is still inside
+    release.set()
+    thread.join(10)
+    assert gc.get_threshold() == before

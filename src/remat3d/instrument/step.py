@@ -29,6 +29,7 @@ import copy
 import functools
 import gc
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -293,14 +294,27 @@ def rare_full_collections() -> Iterator[None]:
     A verified 512³ step makes millions of objects that live to its end (timeline events,
     ledger records, meta tensors); each full collection walks all of them, which was a
     sixth of a tiled step's wall time. The young generations are collected as often as
-    before (what a step frees through reference cycles is freed as soon), and the
-    threshold is the caller's again afterwards, whatever happened."""
-    before = gc.get_threshold()
-    gc.set_threshold(before[0], before[1], max(before[2], 1000))
+    before (what a step frees through reference cycles is freed as soon). The threshold
+    is process-wide: the first of nested or concurrent users (threads planning at once)
+    raises it, the last to leave puts back what the first found, whatever happened."""
+    global _RARE_USERS, _RARE_BEFORE
+    with _RARE_LOCK:
+        if _RARE_USERS == 0:
+            _RARE_BEFORE = gc.get_threshold()
+            gc.set_threshold(_RARE_BEFORE[0], _RARE_BEFORE[1], max(_RARE_BEFORE[2], 1000))
+        _RARE_USERS += 1
     try:
         yield
     finally:
-        gc.set_threshold(*before)
+        with _RARE_LOCK:
+            _RARE_USERS -= 1
+            if _RARE_USERS == 0:
+                gc.set_threshold(*_RARE_BEFORE)
+
+
+_RARE_LOCK = threading.Lock()
+_RARE_USERS = 0  # how many rare_full_collections() blocks are running now
+_RARE_BEFORE: tuple[int, ...] = gc.get_threshold()
 
 
 def time_step(setup: StepSetup, repeats: int = 1) -> float:
