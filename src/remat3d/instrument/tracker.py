@@ -449,9 +449,7 @@ class MemoryTracker(TorchDispatchMode):
             return False
         for key, flops in repeat.flops:
             self._add_flops(key, flops)
-        node = self.invocations.current() if self.invocations is not None else None
-        op, phase = repeat.high_event
-        self.timeline.append(TimelineEvent(op, node, phase, live, live + repeat.high))
+        self._high_water_event(repeat, live)
         return True
 
     def book(self, repeat: Repeat) -> None:
@@ -460,11 +458,9 @@ class MemoryTracker(TorchDispatchMode):
         it passes it; its FLOPs are added and its timeline is one event, that high-water
         mark, attributed to the invocation running now."""
         live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
-        node = self.invocations.current() if self.invocations is not None else None
+        node = self._high_water_event(repeat, live)
         for phase, flops in repeat.phase_flops:
             self._add_flops((node, phase), flops)
-        op, phase = repeat.high_event
-        self.timeline.append(TimelineEvent(op, node, phase, live, live + repeat.high))
         if self.device != HOST:
             self.host_peak_bytes = max(self.host_peak_bytes, host + repeat.host_high)
         for recording in self._recordings:
@@ -476,6 +472,14 @@ class MemoryTracker(TorchDispatchMode):
                 r for r in self.ledger.records.values() if r.device == self.device
             ]
             self._peak_extra, self._peak_at = repeat.high, repeat.at
+
+    def _high_water_event(self, repeat: Repeat, live: int) -> int | None:
+        """A booked or replayed repeat's one timeline event, its high-water mark above
+        ``live``, in the invocation running now (returned)."""
+        node = self.invocations.current() if self.invocations is not None else None
+        op, phase = repeat.high_event
+        self.timeline.append(TimelineEvent(op, node, phase, live, live + repeat.high))
+        return node
 
     def _add_flops(self, key: tuple[int | None, str], flops: int) -> None:
         self.flops[key[1]] += flops

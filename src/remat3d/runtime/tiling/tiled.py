@@ -919,16 +919,16 @@ class TileSource:
         """What a part depends on besides its region (NOTE [ Repeats on meta ] rule 5)."""
         return ("tiles", self.source.run.digest(), _layout(self.inputs))
 
-    def key(self, want: Region, flip: Sequence[bool]) -> tuple:
+    def key(self, want: Region, flip: tuple[bool, ...]) -> tuple:
         """The shapes of everything a part over ``want`` computes (a tile's repeat key;
         ``flip``: the axes its reader's tile is seen mirrored on)."""
-        key = self._keys.get((want, tuple(flip)))
+        key = self._keys.get((want, flip))
         if key is not None:  # a reader's tiles ask again in each of its passes
             return key
         run = self.source.run
         tr = run.trace
         plan = run.region_plan(want)
-        key = self._keys[want, tuple(flip)] = (
+        key = self._keys[want, flip] = (
             tuple((node, _shape(region, tr.sizes[node], flip))
                   for node, region in sorted(plan.items())),
             tuple(x.key(plan.get(node, ((0, 1),) * 3), flip)
