@@ -133,11 +133,18 @@ def test_plan_command_plans_for_compilation(tmp_path):
     assert result.exit_code == 0, result.output
     from remat3d import Plan
 
-    plan = Plan.load(out)
+    plan = Plan.load(out)  # a graph plan, compiled by inductor when applied
+    assert plan.graph_recompute and plan.graph_backend == "inductor"
+    assert "compiled by inductor" in result.output
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.9x", "--no-tile", "--compiled",
+                                 "--no-graph", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)  # recompute regions, for torch.compile to capture
     assert not plan.rebuild_saved and plan.graph_recompute is None and plan.regions
     result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
-                                 "--budget", "0.9x", "--compiled", "--graph"])
-    assert result.exit_code == 2 and "not planned for torch.compile" in result.output
+                                 "--budget", "0.9x", "--compiled", "--offload"])
+    assert result.exit_code == 2 and "does not offload" in result.output
 
 
 @pytest.mark.slow  # 30-45 s: the planner's own tiling test covers it by default

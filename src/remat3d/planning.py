@@ -32,6 +32,11 @@ NOTE [ Which plan optimal chooses ]
      the reason is logged and in the plan's notes (``graph=True`` warns with it).
   4. ``graph=False`` is module plans only (what a hand-written plan, the trainer under
      FSDP2 and ``--plot`` need); ``graph=True`` is a graph plan or an error.
+  5. ``compiled=True`` chooses the same way: a graph plan, searched and verified as for
+     eager steps, whose graphs inductor compiles when it is applied (``Plan.graph_backend``,
+     ``runtime/inductor.py``); below it module plans of recompute regions only (tiling and
+     offload would break the compiled graph), so where neither fits the error names the
+     lower smallest peak of the two.
 """
 
 from __future__ import annotations
@@ -193,16 +198,22 @@ def plan(
             every device. A step that cannot be traced as one graph is planned by its
             modules (with ``graph=True`` a warning names why, and ``strategy="graph"``
             then means ``"optimal"``).
-        compiled: the model will run under ``torch.compile``: a module plan of
-            recompute regions only (they compile as checkpoints, with no graph break;
-            tiled and offload regions would each break the graph, so ``tile`` is off and
-            ``offload`` refused), searched and verified on meta without rebuilt saved
-            tensors (``Plan.rebuild_saved``: saved-tensor hooks, which compiled graphs do
-            not have; NOTE [ Plans under torch.compile ] rule 4). What a compiled step
-            keeps outside the regions is inductor's partitioner's choice, so its peak is
-            measured (``python -m remat3d.bench.compile_check``), not verified. Planned
-            without it, a compiled step can hold more than the verified peak (a warning
-            says so while dynamo traces it).
+        compiled: the model will run compiled. ``optimal`` then plans the graph as for
+            eager steps, and the plan's graphs are compiled by inductor when it is
+            applied (``Plan.graph_backend == "inductor"``, ``runtime/inductor.py``: the
+            forward saves what the plan keeps, inductor fuses what runs; a
+            ``torch.compile`` around the model leaves the planned step to it, and a
+            call without grad runs the model's own forward compiled). Where no graph
+            plan fits, or with ``graph=False``: a module plan of recompute regions
+            only (they compile as checkpoints, with no graph break; tiled and offload
+            regions would each break the graph, so ``tile`` is off and ``offload``
+            refused), searched and verified on meta without rebuilt saved tensors
+            (``Plan.rebuild_saved``: saved-tensor hooks, which compiled graphs do not
+            have; NOTE [ Plans under torch.compile ] rule 4). Either way the verified
+            peak is the step run op by op; the compiled step's is measured (``python
+            -m remat3d.bench.compile_check``), not verified. Planned without it, a
+            compiled module plan can hold more than the verified peak (a warning says
+            so while dynamo traces it).
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -220,7 +231,7 @@ def plan(
     """
     explicit = graph is True or strategy == "graph"  # a graph plan or an error
     if explicit:
-        _graph_options(offload=offload, compiled=compiled)
+        _graph_options(offload=offload)
     if compiled:
         if offload:
             raise PlanError(
@@ -228,7 +239,7 @@ def plan(
                 "offload regions run eagerly, one graph break each. Leave out offload, or "
                 "plan for eager steps.")
         tile = False  # tiled runs are Python loops: each would break the compiled graph
-    chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS and not compiled)
+    chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS)
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
@@ -245,7 +256,8 @@ def plan(
     header = Plan(model=type(model).__name__, model_fingerprint=model_fingerprint(model),
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes,
-                  rebuild_saved=not compiled)
+                  rebuild_saved=not compiled,
+                  graph_backend="inductor" if compiled else "eager")
 
     fallback, graph_smallest, below_floor = None, None, None
     untiled_floor = 0  # NOTE rule 2: no plan without tiling peaks below it
@@ -406,18 +418,12 @@ def _cached(key: tuple, chosen: Plan) -> Plan:
     return copy.deepcopy(chosen)
 
 
-def _graph_options(*, offload: bool, compiled: bool) -> None:
+def _graph_options(*, offload: bool) -> None:
     """Refuse, before any work, what graph plans do not take yet."""
     if offload:
         raise PlanError(
             "Graph plans do not take offload yet (they recompute); use a module plan for "
             "it (graph=False, or plan without --graph)."
-        )
-    if compiled:
-        raise PlanError(
-            "Graph plans are not planned for torch.compile yet (whether inductor keeps "
-            "their recompute set is not checked); with compiled=True (--compiled) plan "
-            "the modules (graph=False, or plan without --graph)."
         )
 
 
@@ -450,7 +456,9 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
                 recompute_flops=choice.liveness.recompute_flops,
                 extra_flops=choice.liveness.recompute_flops, step_flops=step_flops,
                 notes=[(f"graph plan: {choice.liveness.recompute_ops} ops of "
-                       f"{len(graph.forward)} forward ops recomputed in backward")])
+                       f"{len(graph.forward)} forward ops recomputed in backward"
+                        + (", its graphs compiled by inductor when applied"
+                           if header.graph_backend == "inductor" else ""))])
         if not choice.fits:
             break
         target -= measured - budget

@@ -214,6 +214,9 @@ class Plan:
     # the graph plan's step graph (capture/joint.py, graph_digest): a step whose graph
     # differs (another precision, model or torch) is refused, not run with this plan
     graph_digest: str | None = None
+    # how the graph plan's graphs run: "eager" (op by op, eager's kernels: bitwise) or
+    # "inductor" (compiled by inductor, runtime/inductor.py; remat3d.plan(compiled=True))
+    graph_backend: str = "eager"
     # spans of parents' forwards that regions name like modules (runtime/spans.py): parent
     # module name -> for each span, its torch.fx node names; span k is "<parent>.@k"
     spans: dict[str, list[list[str]]] = field(default_factory=dict)
@@ -228,6 +231,9 @@ class Plan:
         if self.graph_recompute is not None and self.spans:
             raise PlanError("A graph plan (graph_recompute) has no spans: spans are "
                             "regions of a module plan.")
+        if self.graph_backend not in ("eager", "inductor"):
+            raise PlanError(f"graph_backend is {self.graph_backend!r}; a graph plan's "
+                            "graphs run 'eager' (op by op) or 'inductor' (compiled).")
         stray = sorted(set(self.graph_twice) - set(self.graph_recompute or ()))
         if stray:
             raise PlanError(f"graph_twice names nodes graph_recompute does not "
@@ -294,7 +300,8 @@ class Plan:
         if self.graph_recompute is not None:
             twice = f" ({len(self.graph_twice)} of them twice)" if self.graph_twice else ""
             lines = [(f"remat3d graph plan: {len(self.graph_recompute)} ops of the step's "
-                     f"graph recomputed in backward{twice}")]
+                     f"graph recomputed in backward{twice}"
+                     f"{', compiled by inductor' if self.graph_backend == 'inductor' else ''}")]
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
             lines.append(f"  made for {self.model} {shapes} amp={self.amp or 'none'} "

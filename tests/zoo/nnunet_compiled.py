@@ -63,6 +63,8 @@ def main(root: Path, budget: str, backend: str) -> dict:
     planned_grads, reference_grads = (torch.cat([g.flatten() for g in gs]) for gs in grads)
     difference = ((planned_grads - reference_grads).norm() / reference_grads.norm()).item()
     return {"compiled": compiled, "regions": len(trainer.remat3d_plan.regions),
+            "graph_backend": (trainer.remat3d_plan.graph_backend
+                              if trainer.remat3d_plan.graph_recompute is not None else None),
             "strategy": trainer.remat3d_plan.strategy,
             "tiled": any(r.decision == "tile" for r in trainer.remat3d_plan.regions),
             "gradient_difference": difference}

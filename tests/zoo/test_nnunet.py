@@ -213,15 +213,17 @@ def _compiled_trainer(root: Path, budget: str, backend: str) -> tuple[dict, str]
 def test_where_nnunet_compiles_the_trainer_plans_for_the_compiled_step(
         nnunet: Path, budget: str) -> None:
     """nnU-Net compiles on CUDA by default (``tests/zoo/nnunet_compiled.py`` answers as
-    there): a budget that recompute regions reach keeps the network compiled with a plan
-    for compiled steps, gradients bitwise the unplanned eager network's under
-    ``aot_eager``; one only tiling reaches runs it eagerly with the tiled plan, and the
-    log says why (train/nnunet.py rule 3)."""
+    there): a budget that recomputation reaches keeps the network compiled with a plan
+    for compiled steps (a graph plan whose graphs remat3d compiles with inductor; torch's
+    compile, here ``aot_eager``, leaves the planned step to it), gradients within
+    inductor's rounding of the unplanned eager network's; one only tiling reaches runs it
+    eagerly with the tiled plan, and the log says why (train/nnunet.py rule 3)."""
     result, log = _compiled_trainer(nnunet, budget, "aot_eager")
     if budget == "1.2x":  # above the unplanned step less the momentum: recompute suffices
-        assert result["compiled"] and not result["tiled"] and result["regions"] > 0
+        assert result["compiled"] and not result["tiled"], result
+        assert result["graph_backend"] == "inductor", result
         assert "torch.compile on (nnU-Net's choice)" in log
-        assert result["gradient_difference"] == 0.0
+        assert result["gradient_difference"] < 1e-2, result  # inductor's own rounding
     else:
         assert not result["compiled"] and result["tiled"]
         assert "torch.compile off: no plan for a compiled step fits" in log
@@ -232,5 +234,5 @@ def test_where_nnunet_compiles_the_trainer_plans_for_the_compiled_step(
 @pytest.mark.slow
 def test_the_trainers_compiled_step_runs_under_inductor(nnunet: Path) -> None:
     result, _ = _compiled_trainer(nnunet, "1.2x", "inductor")
-    assert result["compiled"] and result["regions"] > 0
+    assert result["compiled"] and result["graph_backend"] == "inductor"
     assert result["gradient_difference"] < 1e-2  # inductor's own rounding, not the plan's

@@ -3,27 +3,33 @@
 Run::
 
     python -m remat3d.bench.compile_check --preset nnunet --size 64 --budget 0.75x \\
-        [--backend inductor] [--tile] [--eager-plan]
+        [--backend inductor] [--tile] [--eager-plan] [--graph]
 
-It plans the preset for compilation (``remat3d.plan(..., compiled=True)``: module plans
-verified without rebuilt saved tensors, as a compiled step runs them; ``--eager-plan``:
-planned for eager steps instead, ``graph=False``; ``--tile`` allows tiling), then runs one
-training step (loss = mean of the squared output, fp32) four ways: eager and compiled,
-unplanned and planned; each compiled step after one warm-up step that compiles it. It
-prints the CPU allocator's peak of each step (``instrument/reference.py``: at op
-boundaries, and raw, in-kernel buffers included: compiled kernels are not aten ops, so for
-compiled steps the raw peak is the figure), the plan's verified peak, and the largest
-norm-wise relative gradient difference of the compiled planned step against the compiled
-unplanned one and against the eager planned one (NOTE [ Plans under torch.compile ] in
-``runtime/compiled.py``).
+It plans the preset for compilation (``remat3d.plan(..., compiled=True, graph=False)``:
+module plans verified without rebuilt saved tensors, as a compiled step runs them;
+``--graph``: a graph plan, whose graphs remat3d compiles with inductor itself,
+``runtime/inductor.py``, its "eager, planned" step running them op by op; ``--eager-plan``:
+planned for eager steps instead; ``--tile`` allows tiling), then
+runs one training step (loss = mean of the squared output, fp32) four ways: eager and
+compiled, unplanned and planned; each compiled step after one warm-up step that compiles
+it. It prints each step's time (the median of three) and CPU allocator peak
+(``instrument/reference.py``: raw, in-kernel buffers included, and for eager steps at op
+boundaries, the points the tracker measures: compiled kernels are not aten ops, so for
+compiled steps the raw peak is the figure, to be read against the eager planned step's
+raw peak), the plan's verified peak, and the largest norm-wise relative gradient
+difference of the compiled planned step against the compiled unplanned one and against
+the eager planned one (NOTE [ Plans under torch.compile ] in ``runtime/compiled.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import platform
+import statistics
+import time
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +38,7 @@ from torch import nn
 import remat3d
 from remat3d import zoo
 from remat3d.errors import Remat3dError
-from remat3d.instrument.reference import allocator_measure
+from remat3d.instrument.reference import AllocatorMeasure, allocator_measure
 from remat3d.instrument.step import prepare_step
 from remat3d.units import format_bytes
 
@@ -40,22 +46,27 @@ __all__ = ["main"]
 
 
 def _step(model: nn.Module, x: torch.Tensor, compiled: bool, backend: str
-          ) -> tuple[dict[str, torch.Tensor], int]:
-    """Gradients of one step and its raw allocator peak (compiled: after a warm-up)."""
+          ) -> tuple[dict[str, torch.Tensor], AllocatorMeasure, float]:
+    """Gradients of one step, its allocator peaks and the median of three steps' seconds
+    (compiled: after a warm-up step that compiles it)."""
     torch._dynamo.reset()
     run = torch.compile(model, backend=backend) if compiled else model
-    if compiled:
+
+    def step() -> float:
         for p in model.parameters():
             p.grad = None
+        start = time.perf_counter()
         run(x).float().square().mean().backward()
+        return time.perf_counter() - start
+
+    if compiled:
+        step()
     for p in model.parameters():
         p.grad = None
-    peak = allocator_measure(prepare_step(run, [x], "cpu", None, None)).allocator_peak_bytes
-    for p in model.parameters():
-        p.grad = None
-    run(x).float().square().mean().backward()
+    peak = allocator_measure(prepare_step(run, [x], "cpu", None, None))
+    seconds = statistics.median(step() for _ in range(3))
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()
-            if p.grad is not None}, peak
+            if p.grad is not None}, peak, seconds
 
 
 def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -72,12 +83,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--tile", action="store_true", help="allow tiled regions in the plan")
     ap.add_argument("--eager-plan", action="store_true",
                     help="plan for eager steps (rebuilt saved tensors counted), not compiled")
+    ap.add_argument("--graph", action="store_true",
+                    help="a graph plan (compiled by inductor when planned for compilation)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model = zoo.build_model(args.preset)
     x = torch.randn(1, 1, args.size, args.size, args.size)
     try:
-        plan = remat3d.plan(model, tuple(x.shape), budget=args.budget, graph=False,
+        plan = remat3d.plan(model, tuple(x.shape), budget=args.budget, graph=args.graph,
                             tile=args.tile, compiled=not args.eager_plan)
     except Remat3dError as exc:  # a budget no plan reaches: one line, no traceback
         raise SystemExit(f"error: {exc}") from None
@@ -87,18 +100,32 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{'eager steps' if args.eager_plan else 'compilation'}")
     print(plan.summary())
     planned = remat3d.apply(copy.deepcopy(model), plan)
-    eager_plain, peak_eager_plain = _step(copy.deepcopy(model), x, False, args.backend)
-    eager_planned, peak_eager_planned = _step(planned, x, False, args.backend)
-    compiled_plain, peak_compiled_plain = _step(copy.deepcopy(model), x, True, args.backend)
-    compiled_planned, peak_compiled_planned = _step(planned, x, True, args.backend)
+    # a graph plan compiled by inductor, run eagerly: its graphs op by op
+    eager_plan = dataclasses.replace(plan, graph_backend="eager")
+    eager_plain, peak_eager_plain, s_eager_plain = _step(copy.deepcopy(model), x, False,
+                                                         args.backend)
+    eager_planned, peak_eager_planned, s_eager_planned = _step(
+        remat3d.apply(copy.deepcopy(model), eager_plan), x, False, args.backend)
+    compiled_plain, peak_compiled_plain, s_compiled_plain = _step(copy.deepcopy(model), x,
+                                                                  True, args.backend)
+    compiled_planned, peak_compiled_planned, s_compiled_planned = _step(planned, x, True,
+                                                                        args.backend)
     verified = plan.verified_peak_bytes or 0
-    for label, peak in (("eager, unplanned", peak_eager_plain),
-                        ("eager, planned", peak_eager_planned),
-                        ("compiled, unplanned", peak_compiled_plain),
-                        ("compiled, planned", peak_compiled_planned)):
-        print(f"{label:22s} allocator peak {format_bytes(peak):>11s}")
+    for label, peak, seconds in (
+            ("eager, unplanned", peak_eager_plain, s_eager_plain),
+            ("eager, planned", peak_eager_planned, s_eager_planned),
+            ("compiled, unplanned", peak_compiled_plain, s_compiled_plain),
+            ("compiled, planned", peak_compiled_planned, s_compiled_planned)):
+        # at op boundaries: eager steps only (a compiled kernel is not an aten op)
+        bounds = "" if label.startswith("compiled") else \
+            f", at op boundaries {format_bytes(peak.peak_bytes):>11s}"
+        print(f"{label:22s} step {seconds:6.2f} s, allocator peak "
+              f"{format_bytes(peak.allocator_peak_bytes):>11s}{bounds}")
+    compiled_peak = peak_compiled_planned.allocator_peak_bytes
     print(f"verified (meta) peak of the plan {format_bytes(verified)}; compiled planned "
-          f"/ verified = {peak_compiled_planned / max(verified, 1):.3f}")
+          f"/ verified = {compiled_peak / max(verified, 1):.3f}; compiled planned / eager "
+          f"planned (both with in-kernel scratch) = "
+          f"{compiled_peak / max(peak_eager_planned.allocator_peak_bytes, 1):.3f}")
     print(f"gradients, compiled planned vs compiled unplanned: "
           f"{_worst(compiled_planned, compiled_plain):.3g}; vs eager planned: "
           f"{_worst(compiled_planned, eager_planned):.3g}; compiled unplanned vs eager "

@@ -24,7 +24,7 @@ NOTE [ Tracing the joint graph ]
   4. What cannot be traced (control flow on a tensor's values, ``.item()``, an op with no
      meta kernel) raises :class:`CaptureError` naming the cause; module plans need no
      graph.
-  5. The graphs run op by op, the same aten kernels as eager, boxed (``_run_eagerly``):
+  5. The graphs run op by op, the same aten kernels as eager, boxed (``run_eagerly``):
      each tensor, inputs included, is freed after its last use.
   6. Mixed precision is part of the graph. A step for ``amp`` traces its forward under
      CUDA autocast's rules (``instrument/amp.py``'s ``MetaAutocast`` on every device, the
@@ -74,6 +74,7 @@ __all__ = [
     "fake_step",
     "graph_digest",
     "op_graph",
+    "run_eagerly",
     "swapped_weights",
 ]
 
@@ -92,7 +93,7 @@ class Captured:
     num_fwd_outputs: int = 0
 
 
-def _run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+def run_eagerly(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     """``gm`` run op by op, taking its inputs as one list it empties (torch's boxed calling
     convention): each input is freed after its last use, not held to the graph's end."""
     from torch.fx.graph import _BoxedCodeGen  # what torch's own aot_eager backend uses
@@ -138,11 +139,14 @@ def _fake_mode_to_enter(args: list) -> Any:
 
 
 def aot_step(model: nn.Module, partition: PartitionFn,
-             amp: torch.dtype | None = None) -> Callable[..., Any]:
+             amp: torch.dtype | None = None,
+             compiler: Callable[[fx.GraphModule, Any], Callable] | None = None,
+             ) -> Callable[..., Any]:
     """A callable running ``model``'s class ``forward`` (under ``amp``'s autocast rules),
     traced by AOTAutograd on its first call, split by ``partition``, its graphs run
-    eagerly (NOTE rules 1, 5 and 6). It reads the model's parameters and buffers at every
-    call, so they stay the model's own."""
+    eagerly (NOTE rules 1, 5 and 6) or made runnable by ``compiler`` (a graph and its
+    example inputs -> a boxed callable; ``runtime/inductor.py``). It reads the model's
+    parameters and buffers at every call, so they stay the model's own."""
     from functorch.compile import aot_function
 
     def functional(params: dict[str, Any], buffers: dict[str, Any], *args: Any) -> Any:
@@ -164,8 +168,9 @@ def aot_step(model: nn.Module, partition: PartitionFn,
         buffers = dict(model.named_buffers())
         with _without_ambient_autocast():
             if compiled is None:
-                compiled = aot_function(functional, fw_compiler=_run_eagerly,
-                                        bw_compiler=_run_eagerly, partition_fn=partition_fn,
+                compiled = aot_function(functional, fw_compiler=compiler or run_eagerly,
+                                        bw_compiler=compiler or run_eagerly,
+                                        partition_fn=partition_fn,
                                         num_params_buffers=len(params) + len(buffers))
                 # traced on this first call: the backward as eager's, outside autocast,
                 # the upsampling eager's kernels

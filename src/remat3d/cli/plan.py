@@ -41,9 +41,10 @@ def plan_command(
         "a parent's own cat or add included; recompute only, no --offload). --no-graph: "
         "module plans only. Default: optimal plans the graph where a graph plan fits.")),
     compiled: bool = typer.Option(False, "--compiled", help=(
-        "The model will run under torch.compile: recompute regions only (no tiling or "
-        "offload: each breaks the graph), verified without rebuilt saved tensors, which "
-        "compiled graphs do not have.")),
+        "The model will run compiled: a graph plan whose graphs remat3d compiles with "
+        "inductor when it is applied, or (--no-graph, or where no graph plan fits) "
+        "recompute regions for torch.compile, verified without rebuilt saved tensors, "
+        "which compiled graphs do not have. No tiling or offload: each breaks the graph.")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),

@@ -115,7 +115,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     if plan.graph_recompute is not None:  # runtime/graph_run.py
         return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None,
                                 amp=plan.amp, digest=plan.graph_digest,
-                                twice=plan.graph_twice)
+                                twice=plan.graph_twice, backend=plan.graph_backend)
     spans = install_spans(model, plan.spans) if plan.spans else {}  # runtime/spans.py
     try:
         modules = {**dict(model.named_modules()), **spans}

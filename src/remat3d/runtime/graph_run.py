@@ -39,12 +39,24 @@ NOTE [ Running a graph plan ]
      outside every dispatch mode, before it runs on the real ones: a tracker around a
      training step (the trainer measures each shape's first steps) sees the step, not the
      trace, and tracing allocates nothing.
+  8. A plan made for compilation (``Plan.graph_backend == "inductor"``) has its two graphs
+     compiled by inductor when the step is traced (``runtime/inductor.py``, NOTE [ Graph
+     plans compiled by inductor ]); nothing else above changes. Compiled already, its
+     step is left out of dynamo's trace when the user compiles the model too
+     (``torch.compiler.disable``): the model's forward is the plan's step, so dynamo has
+     nothing of its own to compile, and tracing the step again would let torch's
+     partitioner choose what is saved instead of the plan. A call without grad (rule 4:
+     validation, inference) runs the model's own forward under ``torch.compile`` (the
+     plan says the model runs compiled; it is compiled once per shape, as a compiled
+     model's is). A step inductor cannot compile runs op by op instead, with one warning
+     (the memory verified is that run's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +79,12 @@ from remat3d.capture.joint import (
 from remat3d.errors import CaptureError, PlanError, Remat3dError, quoted
 from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
+from remat3d.runtime.inductor import (
+    GRAPH_BACKENDS,
+    InductorFailure,
+    compiler_for,
+    inductor_lowering,
+)
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "mark_recomputation",
            "measure_applied_graph_plan", "measure_graph_plan", "remove_graph_plan",
@@ -233,15 +251,37 @@ def _signature(args: tuple, model: nn.Module) -> tuple:
 class _GraphPlan:
     def __init__(self, model: nn.Module, recompute: Iterable[str],
                  input_shapes: list[list[int]] | None, amp: str | None,
-                 digest: str | None, twice: Iterable[str]) -> None:
+                 digest: str | None, twice: Iterable[str], backend: str) -> None:
         self.recompute = sorted(set(recompute))
         self.twice = sorted(set(twice))
         self.amp = amp_dtype(amp)
-        self.step = aot_step(model, tagged_partition(self.recompute, digest, twice),
-                             self.amp)
+        self.backend = backend
+        self.digest = digest
         self.model = model
+        self.step = self._step()
+        self._inference: Any = None  # rule 8: calls without grad, compiled by torch
         self.input_shapes = input_shapes
         self.signature: tuple | None = None
+
+    def _step(self) -> Any:
+        return aot_step(self.model, tagged_partition(self.recompute, self.digest, self.twice),
+                        self.amp, compiler_for(self.backend))
+
+    def _trace_or_run_eagerly(self, args: tuple) -> None:
+        """Trace (rule 7); a step inductor fails to compile runs its graphs op by op
+        instead, as verified, with one warning naming why (rule 8)."""
+        try:
+            self._trace(args)
+        except InductorFailure as exc:
+            warnings.warn(
+                f"Inductor could not compile the graph plan's step of "
+                f"{type(self.model).__name__} ({quoted(exc) or 'no message'}); its "
+                "graphs run op by op instead, as "
+                "the plan was verified (the same memory, eager's speed).",
+                RuntimeWarning, stacklevel=3)
+            self.backend = "eager"
+            self.step = self._step()
+            self._trace(args)
 
     def _trace(self, args: tuple) -> None:
         """Trace the step on fake copies of the parameters, buffers and inputs, outside
@@ -260,8 +300,8 @@ class _GraphPlan:
             return made
 
         named = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        with _disable_current_modes(), swapped_weights(self.model, {k: fake(t) for k, t in
-                                                             named.items()}):
+        with _disable_current_modes(), inductor_lowering(self.backend), \
+                swapped_weights(self.model, {k: fake(t) for k, t in named.items()}):
             self.step(*[fake(a) for a in args])
 
     def _check_autocast(self) -> None:
@@ -279,6 +319,10 @@ class _GraphPlan:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # NOTE rule 4: nothing saved, nothing to plan
+            if self.backend == "inductor":  # rule 8: compiled, as the plan's steps are
+                if self._inference is None:
+                    self._inference = torch.compile(type(self.model).forward)
+                return self._inference(self.model, *args, **kwargs)
             return type(self.model).forward(self.model, *args, **kwargs)
         if kwargs:
             raise PlanError("A graph plan runs a forward with positional inputs only; pass "
@@ -298,7 +342,7 @@ class _GraphPlan:
                     f"model got {shapes}. A graph is for one input shape: plan this one."
                 )
             with tracing_errors(self.model):
-                self._trace(args)
+                self._trace_or_run_eagerly(args)
                 self.signature = signature  # traced: later calls run the graphs
                 return self.step(*args)
         if signature != self.signature:
@@ -313,18 +357,27 @@ class _GraphPlan:
 
 def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
                      input_shapes: list[list[int]] | None = None, amp: str | None = None,
-                     digest: str | None = None, twice: Iterable[str] = ()) -> nn.Module:
+                     digest: str | None = None, twice: Iterable[str] = (),
+                     backend: str = "eager") -> nn.Module:
     """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
     (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
     the planner gives), for inputs of ``input_shapes`` (None: the first call's), the
     forward under ``amp``'s autocast rules (rule 5), in a graph whose ``graph_digest`` is
     ``digest`` (None: not checked); those of ``twice`` (a subset of ``recompute``) are
-    recomputed a second time for their late readers. Returns the same model object."""
+    recomputed a second time for their late readers. ``backend``: the graphs run op by
+    op (``"eager"``) or compiled by inductor (``"inductor"``, ``runtime/inductor.py``;
+    rule 8). Returns the same model object."""
     if graph_plan_of(model) is not None:
         raise PlanError(f"{type(model).__name__} already runs a graph plan; "
                         "remove it first (remat3d.runtime.graph_run.remove_graph_plan).")
-    plan = _GraphPlan(model, recompute, input_shapes, amp, digest, twice)
-    model.forward = plan  # type: ignore[method-assign]
+    if backend not in GRAPH_BACKENDS:
+        raise PlanError(f"A graph plan runs its graphs with one of {GRAPH_BACKENDS}, not "
+                        f"{backend!r}.")
+    plan = _GraphPlan(model, recompute, input_shapes, amp, digest, twice, backend)
+    # compiled by remat3d already, an inductor plan is left out of dynamo's trace of a
+    # torch.compile around the model (rule 8)
+    model.forward = (plan if backend == "eager"  # type: ignore[method-assign]
+                     else torch.compiler.disable(plan))
     setattr(model, _ATTR, plan)
     return model
 

@@ -15,11 +15,12 @@ is nnU-Net's:
 3. ``torch.compile`` is nnU-Net's choice, as with ``nnUNetv2_train`` (on by default on
    CUDA; ``nnUNet_compile=f`` turns it off; nnU-Net never compiles on CPU). Where nnU-Net
    compiles, the step is planned for compilation first (``remat3d.plan(...,
-   compiled=True)``: recompute regions, which inductor's partitioner recomputes inside
-   its graphs); where no such plan fits the budget, the network runs eagerly with the
-   plan that does (tiled, offloaded), and the log says why. A compiled step's peak is
-   inductor's, not a verified one: on CUDA the first training step's allocator peak is
-   logged beside the budget, compiled or not.
+   compiled=True)``: a graph plan whose graphs remat3d compiles with inductor itself, the
+   compiled network's dynamo leaving the planned step to it, or recompute regions, which
+   inductor's partitioner recomputes inside its graphs); where no such plan fits the
+   budget, the network runs eagerly with the plan that does (tiled, offloaded), and the
+   log says why. A compiled step's peak is inductor's, not a verified one: on CUDA the
+   first training step's allocator peak is logged beside the budget, compiled or not.
 
 Its checkpoints name ``nnUNetTrainer`` as their trainer, whose network they hold (the
 module tree and ``state_dict`` of a planned network are the unplanned one's), so nnU-Net's

@@ -1,0 +1,119 @@
+"""A graph plan's graphs compiled by inductor: the plan decides what is saved, inductor
+fuses what runs.
+
+NOTE [ Graph plans compiled by inductor ]
+  1. The plan's partition function (``runtime/graph_run.py``) splits the joint graph as
+     for an eager graph plan; only the two graphs it returns are compiled. Each is first
+     decomposed as inductor's own pipeline decomposes a joint graph
+     (``select_decomp_table``: retraced by ``make_fx`` under the graphs' fake mode; the
+     plan's graph keeps eager's aten ops, which inductor lowers only decomposed), then
+     handed to ``compile_fx_inner``. Inductor fuses and reorders inside a graph, but a
+     graph's inputs and outputs are its own: the forward saves exactly the tensors the
+     plan keeps, and the backward recomputes what the plan recomputes (fused into its
+     readers where inductor can).
+  2. Every output keeps the layout its fake value has (``user_visible_output_idxs``): the
+     backward was compiled for the saved tensors' traced strides, and the caller gets
+     eager's.
+  3. Both graphs are compiled while the step is traced on fake tensors (the backward
+     too, not at the first ``backward()``: ``force_non_lazy_backward_lowering``), so a
+     lowering failure is the trace's :class:`~remat3d.errors.CaptureError`, raised by
+     the first call, not an error inside autograd.
+  4. On fake tensors (the tracing call; ``remat3d.measure`` on "meta") a graph runs op by
+     op as an eager plan's does; inductor's code runs on real tensors only (its kernels
+     read and write memory a fake tensor does not have).
+  5. What is not promised: inductor's kernels are not eager's, so gradients equal the
+     compiled unplanned model's within torch.compile's own tolerance (not eager's bits);
+     the verified peak is the eager graph run's, and the compiled step's is measured
+     (``python -m remat3d.bench.compile_check --graph``), not verified. Recomputed
+     kernels do not run inside ``is_recomputing()`` (a fused kernel cannot say which of
+     its parts recompute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx
+
+from remat3d.capture.joint import run_eagerly
+
+__all__ = ["GRAPH_BACKENDS", "InductorFailure", "compiler_for", "inductor_lowering"]
+
+# how a graph plan's graphs run: "eager" op by op (bitwise eager), "inductor" compiled
+GRAPH_BACKENDS = ("eager", "inductor")
+
+
+class InductorFailure(Exception):
+    """Inductor could not compile a graph plan's graph (the cause chained): the caller
+    runs the graphs op by op instead (``runtime/graph_run.py`` NOTE rule 8)."""
+
+
+def _decomposed(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+    """``gm`` retraced with inductor's decompositions (NOTE rule 1); the recomputation
+    wrappers of ``mark_recomputation`` trace through to their ops."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = detect_fake_mode(example_inputs)
+    context = mode if mode is not None else contextlib.nullcontext()
+    with context:
+        return make_fx(fx.Interpreter(gm).run,
+                       decomposition_table=select_decomp_table())(*example_inputs)
+
+
+def _keep_output_layouts(gm: fx.GraphModule) -> None:
+    """NOTE rule 2."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = output.args[0]
+    output.meta["user_visible_output_idxs"] = [
+        i for i, v in enumerate(values) if isinstance(v, fx.Node)]
+
+
+def inductor_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """A boxed callable running ``gm`` compiled by inductor on real tensors and op by op
+    on fake ones (NOTE rules 1, 2 and 4)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    is_backward = any(n.op == "placeholder" and n.name.startswith("tangents")
+                      for n in gm.graph.nodes)
+    try:
+        decomposed = _decomposed(gm, list(example_inputs))
+        _keep_output_layouts(decomposed)
+        compiled = compile_fx_inner(decomposed, list(example_inputs),
+                                    is_backward=is_backward)
+    except Exception as exc:  # whatever inductor raises: the caller falls back, by name
+        raise InductorFailure(f"{type(exc).__name__}: {exc}") from exc
+    eager = run_eagerly(gm, example_inputs)
+
+    def run(args: list) -> Any:
+        if any(isinstance(a, FakeTensor) for a in args):
+            return eager(args)
+        return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def compiler_for(backend: str) -> Callable[[fx.GraphModule, list], Callable]:
+    """The graph compiler of ``backend`` (one of ``GRAPH_BACKENDS``)."""
+    if backend == "inductor":
+        return inductor_compiler
+    if backend == "eager":
+        return run_eagerly
+    raise ValueError(f"unknown graph backend {backend!r}; one of {GRAPH_BACKENDS}")
+
+
+@contextlib.contextmanager
+def inductor_lowering(backend: str) -> Iterator[None]:
+    """While a step of ``backend`` is traced: its backward compiled then too (NOTE rule
+    3)."""
+    if backend != "inductor":
+        yield
+        return
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        yield
