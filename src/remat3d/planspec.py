@@ -24,9 +24,12 @@ from remat3d.errors import PlanError
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["DECISIONS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
+__all__ = ["DECISIONS", "GRAPH_BACKENDS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
+# how a graph plan's graphs run: "eager" op by op (bitwise eager), "inductor" compiled
+# (runtime/inductor.py)
+GRAPH_BACKENDS = ("eager", "inductor")
 DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may say
 
 
@@ -231,7 +234,7 @@ class Plan:
         if self.graph_recompute is not None and self.spans:
             raise PlanError("A graph plan (graph_recompute) has no spans: spans are "
                             "regions of a module plan.")
-        if self.graph_backend not in ("eager", "inductor"):
+        if self.graph_backend not in GRAPH_BACKENDS:
             raise PlanError(f"graph_backend is {self.graph_backend!r}; a graph plan's "
                             "graphs run 'eager' (op by op) or 'inductor' (compiled).")
         stray = sorted(set(self.graph_twice) - set(self.graph_recompute or ()))

@@ -79,12 +79,8 @@ from remat3d.capture.joint import (
 from remat3d.errors import CaptureError, PlanError, Remat3dError, quoted
 from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
-from remat3d.runtime.inductor import (
-    GRAPH_BACKENDS,
-    InductorFailure,
-    compiler_for,
-    inductor_lowering,
-)
+from remat3d.planspec import GRAPH_BACKENDS
+from remat3d.runtime.inductor import InductorFailure, compiler_for, inductor_lowering
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "mark_recomputation",
            "measure_applied_graph_plan", "measure_graph_plan", "remove_graph_plan",

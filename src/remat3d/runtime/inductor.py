@@ -39,11 +39,9 @@ import torch
 from torch import fx
 
 from remat3d.capture.joint import run_eagerly
+from remat3d.planspec import GRAPH_BACKENDS
 
-__all__ = ["GRAPH_BACKENDS", "InductorFailure", "compiler_for", "inductor_lowering"]
-
-# how a graph plan's graphs run: "eager" op by op (bitwise eager), "inductor" compiled
-GRAPH_BACKENDS = ("eager", "inductor")
+__all__ = ["InductorFailure", "compiler_for", "inductor_lowering"]
 
 
 class InductorFailure(Exception):
