@@ -65,6 +65,28 @@ class OpGraph:
         for n in self.nodes:
             if n.op == "getitem" and n.inputs:
                 self._picks.setdefault(n.inputs[0], []).append(n)
+        # what goes with a recomputed forward node: its views, and its picks when it is a
+        # multi-output op (``planner.liveness.closed_recompute``)
+        self._companions: dict[str, list[str]] = {}
+        for n in self._forward:
+            if n.base is not None:
+                self._companions.setdefault(n.base, []).append(n.name)
+            if n.op == "getitem" and n.inputs:
+                self._companions.setdefault(n.inputs[0], []).append(n.name)
+        self._recomputable = {n.name for n in self.nodes if self._may_recompute(n)}
+        self._backward_reads = list(dict.fromkeys(
+            name for n in self._backward for name in n.inputs
+            if name in self._by_name and self._by_name[name].phase == "forward"))
+        self._inputs = [n for n in self.nodes if n.phase == "input"]
+        self._runs = {n.name: (n, self._made(n), (self._storage[n.name],
+                                                  *[self._storage[i] for i in n.inputs]))
+                      for n in self.nodes}
+
+    def _may_recompute(self, node: OpNode) -> bool:
+        if node.op == "getitem":  # recomputed with the op it picks from
+            op = self._by_name.get(node.inputs[0]) if node.inputs else None
+            return op is not None and self._may_recompute(op)
+        return node.phase == "forward" and node.recomputable
 
     def picks(self, name: str) -> list[OpNode]:
         """The ``getitem`` nodes taking outputs of the multi-output op ``name``."""
@@ -75,6 +97,44 @@ class OpGraph:
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
+
+    def recomputable(self, name: str) -> bool:
+        """Whether ``name`` may be recomputed in backward: a forward node that is neither
+        random nor side-effecting (a ``getitem`` as the op it picks from)."""
+        return name in self._recomputable
+
+    def companions(self, name: str) -> list[str]:
+        """The forward nodes recomputed with ``name``: the views of its storage, and the
+        ``getitem`` nodes picking its outputs."""
+        return self._companions.get(name, [])
+
+    @property
+    def backward_reads(self) -> list[str]:
+        """The forward nodes backward ops read, each once (the graph's own list: do not
+        change it)."""
+        return self._backward_reads
+
+    @property
+    def inputs(self) -> list[OpNode]:
+        """The input nodes (parameters, buffers, the model's inputs)."""
+        return self._inputs
+
+    def _made(self, node: OpNode) -> tuple[tuple[str, int], ...] | None:
+        """The storages running ``node`` makes, with their bytes: its own, and those of
+        the ``getitem`` nodes picking its outputs; None for a ``getitem`` (its op makes
+        what it picks)."""
+        if node.op == "getitem":
+            return None
+        return tuple((m.name, m.bytes) for m in (node, *self.picks(node.name))
+                     if m.bytes and m.base is None)
+
+    @property
+    def runs(self) -> dict[str, tuple[OpNode, tuple[tuple[str, int], ...] | None,
+                                      tuple[str, ...]]]:
+        """Per node name: the node, the storages running it makes (with their bytes; None
+        for a ``getitem``) and the storages it makes or reads, its own first (the
+        liveness simulation's inner loop; the graph's own dict: do not change it)."""
+        return self._runs
 
     def storage(self, name: str) -> str:
         """The node whose storage ``name`` uses (itself unless it is a view)."""
@@ -97,7 +157,8 @@ class OpGraph:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for index in ("_by_name", "_storage", "_position", "_forward", "_backward", "_picks",
-                      "_digest"):
+                      "_digest", "_companions", "_recomputable", "_backward_reads", "_inputs",
+                      "_runs"):
             data.pop(index, None)
         return data
 

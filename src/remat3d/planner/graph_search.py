@@ -156,11 +156,13 @@ def _extend(graph: OpGraph, path: _Path, budget_bytes: int, costs: Costs
     while live.peak_bytes > budget_bytes and not path.done:
         current_cost = _cost(graph, live, costs)
         ranked = []
+        saved = set(live.saved)
         for storage in live.peak_live:
             if storage in fixed or storage in twice:
                 continue
-            chain = _from_saved(graph, storage, live)
-            extra = closed_recompute(graph, chosen | chain)
+            chain = _from_saved(graph, storage, saved)
+            # chosen is closed already, and closing distributes over a union
+            extra = chosen | closed_recompute(graph, chain)
             if storage in chosen:  # recomputed already, and alive across the peak
                 ranked.append((graph[storage].bytes, storage, extra, twice | chain))
                 continue
@@ -201,10 +203,10 @@ def _gain(before: Liveness, after: Liveness) -> float:
     return before.peak_bytes - after.peak_bytes + 0.25 * both
 
 
-def _from_saved(graph: OpGraph, storage: str, live: Liveness) -> set[str]:
+def _from_saved(graph: OpGraph, storage: str, saved: set[str]) -> set[str]:
     """``storage`` and the forward ops it is made from, back to tensors the forward saves
-    anyway: recomputed from those, it saves nothing new in its place."""
-    saved = set(live.saved)
+    anyway (``saved``: their storages): recomputed from those, it saves nothing new in its
+    place."""
     found: set[str] = set()
     stack = [storage]
     while stack:

@@ -71,19 +71,14 @@ def closed_recompute(graph: OpGraph, recompute: Iterable[str]) -> set[str]:
     multi-output op with all its outputs (``getitem``) when one of them is recomputed.
     Nodes that cannot be recomputed (random, mutating, reading a buffer the step updates)
     and non-forward nodes are left out."""
-    def allowed(name: str) -> bool:
-        node = graph[name]
-        if node.op == "getitem":  # recomputed with the op it picks from
-            return allowed(node.inputs[0])
-        return node.phase == "forward" and node.recomputable
-
-    chosen = {n for n in recompute if n in graph and allowed(n)}
+    chosen = {n for n in recompute if graph.recomputable(n)}
     chosen |= {graph[n].inputs[0] for n in chosen if graph[n].op == "getitem"}
-    for node in graph.forward:
-        if node.base is not None and node.base in chosen:
-            chosen.add(node.name)
-        if node.op == "getitem" and node.inputs and node.inputs[0] in chosen:
-            chosen.add(node.name)
+    stack = list(chosen)
+    while stack:  # a view's base and a pick's op come first: this is one forward sweep
+        for name in graph.companions(stack.pop()):
+            if name not in chosen:
+                chosen.add(name)
+                stack.append(name)
     return chosen
 
 
@@ -110,22 +105,41 @@ class _Memory:
 
 
 def _run(order: list[OpNode], memory: _Memory, keep: set[str],
-         storage: Callable[[str], str], picks: Callable[[str], list[OpNode]]) -> None:
-    # each op's storages (its own, then its inputs'), and where each is used last
-    touched = [[storage(node.name), *map(storage, node.inputs)] for node in order]
-    last: dict[str, int] = {}
-    for i, names in enumerate(touched):
-        for name in names:
+         storage: Callable[[str], str], picks: Callable[[str], list[OpNode]],
+         graph: OpGraph | None = None) -> None:
+    """``order`` run on ``memory``. With ``graph`` (``storage`` and ``picks`` are the
+    graph's own) a node of the graph's is read from :attr:`OpGraph.runs`: this loop is
+    most of a simulation."""
+    runs = graph.runs if graph is not None else {}
+    steps = []
+    for node in order:
+        step = runs.get(node.name)
+        if step is None or step[0] is not node:  # a copy (NOTE rule 4), or no graph
+            made = None if node.op == "getitem" else tuple(  # an op makes what it picks
+                (m.name, m.bytes) for m in (node, *picks(node.name))
+                if m.bytes and m.base is None)
+            step = (node, made, (storage(node.name), *map(storage, node.inputs)))
+        steps.append(step)
+    last: dict[str, int] = {}  # where each storage is used last
+    for i, (_, _, touched) in enumerate(steps):
+        for name in touched:
             last[name] = i
-    for i, node in enumerate(order):
-        if node.op != "getitem":  # a multi-output op makes what its getitems pick
-            for made in (node, *picks(node.name)):
-                memory.make(made)
-            memory.sample(node.transient_bytes)
-            memory.timeline.append((node.name, memory.total + node.transient_bytes))
-        for used in touched[i]:  # freed once: a second free of a storage is a no-op
-            if last[used] == i and used not in keep:
-                memory.free(used)
+    # _Memory's make / sample / free, inlined
+    live, timeline = memory.live, memory.timeline
+    total, peak, peak_live = memory.total, memory.peak, memory.peak_live
+    for i, (node, made, touched) in enumerate(steps):
+        if made is not None:
+            for name, nbytes in made:
+                live[name] = nbytes
+                total += nbytes
+            now = total + node.transient_bytes
+            if now > peak:
+                peak, peak_live = now, list(live)
+            timeline.append((node.name, now))
+        for used in touched:  # freed once: a second free of a storage is a no-op
+            if last[used] == i and used not in keep and used in live:
+                total -= live.pop(used)
+    memory.total, memory.peak, memory.peak_live = total, peak, peak_live
 
 
 def late_copies(order: list[tuple[str, list[str]]], again: Iterable[str],
@@ -229,7 +243,7 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
 
     # what backward reads from forward: saved tensors, or recomputed from them
     saved: set[str] = set()
-    needed = [name for node in backward for name in node.inputs]
+    needed = list(graph.backward_reads)
     visited: set[str] = set()
     while needed:
         name = needed.pop()
@@ -246,14 +260,13 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
     saved_storage = {graph.storage(n) for n in saved}
 
     memory = _Memory()
-    resident = {n.name for n in graph.nodes if n.phase == "input"}
-    for node in graph.nodes:
-        if node.phase == "input":
-            memory.make(node)
+    resident = {n.name for n in graph.inputs}
+    for node in graph.inputs:
+        memory.make(node)
     memory.sample()
     outputs = {graph.storage(n) for n in graph.outputs}
     _run(_forward_graph(graph, saved), memory, resident | saved_storage | outputs,
-         graph.storage, graph.picks)
+         graph.storage, graph.picks, graph)
     forward_peak = memory.peak
     saved_bytes = sum(b for s, b in memory.live.items()
                       if s in saved_storage and s not in outputs and s not in resident)
@@ -284,7 +297,8 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
         memory.make(node)
     for node in backward:
         for name in node.inputs:
-            order.extend(pull(name))
+            if name not in done and name in again:  # (what pull would find nothing for)
+                order.extend(pull(name))
         order.append(node)
     order, storage, picks = _with_copies(graph, order, closed_recompute(graph, twice) & again)
     for node in order:
@@ -295,7 +309,8 @@ def simulate(graph: OpGraph, recompute: Iterable[str] = (),
     memory.peak = 0
     memory.sample()
     gradients = {graph.storage(n) for n in graph.gradients}
-    _run(order, memory, resident | outputs | gradients, storage, picks)
+    _run(order, memory, resident | outputs | gradients, storage, picks,
+         graph if storage == graph.storage else None)
     return Liveness(
         peak_bytes=max(forward_peak, memory.peak),
         forward_peak_bytes=forward_peak,
