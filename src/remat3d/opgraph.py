@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from remat3d.errors import GraphError
 
-__all__ = ["OPGRAPH_SCHEMA", "OpGraph", "OpNode"]
+__all__ = ["OPGRAPH_SCHEMA", "OpGraph", "OpNode", "made_by"]
 
 OPGRAPH_SCHEMA = "remat3d.opgraph/1"
 
@@ -42,6 +43,17 @@ class OpNode:
     transient_bytes: int = 0  # outputs of a multi-output op that no node picks
     flops: int = 0
     recomputable: bool = True  # False: random or side-effecting ops (run exactly once)
+
+
+def made_by(node: OpNode, picks: Callable[[str], list[OpNode]]
+            ) -> tuple[tuple[str, int], ...] | None:
+    """The storages running ``node`` makes, with their bytes: its own, and those of the
+    ``getitem`` nodes ``picks(node.name)`` returns (picking its outputs); None for a
+    ``getitem`` (its op makes what it picks)."""
+    if node.op == "getitem":
+        return None
+    return tuple((m.name, m.bytes) for m in (node, *picks(node.name))
+                 if m.bytes and m.base is None)
 
 
 @dataclass
@@ -78,7 +90,7 @@ class OpGraph:
             name for n in self._backward for name in n.inputs
             if name in self._by_name and self._by_name[name].phase == "forward"))
         self._inputs = [n for n in self.nodes if n.phase == "input"]
-        self._runs = {n.name: (n, self._made(n), (self._storage[n.name],
+        self._runs = {n.name: (n, made_by(n, self.picks), (self._storage[n.name],
                                                   *[self._storage[i] for i in n.inputs]))
                       for n in self.nodes}
 
@@ -118,15 +130,6 @@ class OpGraph:
     def inputs(self) -> list[OpNode]:
         """The input nodes (parameters, buffers, the model's inputs)."""
         return self._inputs
-
-    def _made(self, node: OpNode) -> tuple[tuple[str, int], ...] | None:
-        """The storages running ``node`` makes, with their bytes: its own, and those of
-        the ``getitem`` nodes picking its outputs; None for a ``getitem`` (its op makes
-        what it picks)."""
-        if node.op == "getitem":
-            return None
-        return tuple((m.name, m.bytes) for m in (node, *self.picks(node.name))
-                     if m.bytes and m.base is None)
 
     @property
     def runs(self) -> dict[str, tuple[OpNode, tuple[tuple[str, int], ...] | None,

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from remat3d.graph import CostGraph
-from remat3d.opgraph import OpGraph, OpNode
+from remat3d.opgraph import OpGraph, OpNode, made_by
 
 __all__ = ["AGAIN", "Floor", "Liveness", "closed_recompute", "convolution_floor", "late_copies",
            "recompute_floor",
@@ -115,10 +115,8 @@ def _run(order: list[OpNode], memory: _Memory, keep: set[str],
     for node in order:
         step = runs.get(node.name)
         if step is None or step[0] is not node:  # a copy (NOTE rule 4), or no graph
-            made = None if node.op == "getitem" else tuple(  # an op makes what it picks
-                (m.name, m.bytes) for m in (node, *picks(node.name))
-                if m.bytes and m.base is None)
-            step = (node, made, (storage(node.name), *map(storage, node.inputs)))
+            step = (node, made_by(node, picks),
+                    (storage(node.name), *map(storage, node.inputs)))
         steps.append(step)
     last: dict[str, int] = {}  # where each storage is used last
     for i, (_, _, touched) in enumerate(steps):
