@@ -161,3 +161,36 @@ def test_a_call_without_grad_runs_the_models_own_forward_compiled(compiled_plan)
         expected = _net()(x)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert model._remat3d_graph_plan._inference is not None  # compiled by torch
+
+
+# -m slow (about a minute on 2 cores: three processes compile the plan's graphs)
+@pytest.mark.slow
+def test_ddp_around_a_compiled_graph_plan_equals_one_accumulating_process(tmp_path) -> None:
+    """nnU-Net v2's trainer under DDP: a plan for compilation applied, the model compiled,
+    then wrapped in DDP. The inductor-compiled backward feeds DDP's gradient hooks like
+    any step: two processes' averaged gradients are one process's over both volumes, bit
+    for bit, and every rank planned the same graph plan."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    saved = {}
+    for processes in (1, 2):
+        out = tmp_path / f"{processes}.pt"
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={processes}", str(Path(__file__).parent / "ddp_graph_plan.py"),
+             str(out)], env=env, capture_output=True, text=True, timeout=900, check=False)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        saved[processes] = torch.load(out, weights_only=True)
+    for processes, got in saved.items():
+        (backend, recompute), *others = got["choices"]
+        assert backend == "inductor" and recompute, processes
+        assert all(o == (backend, recompute) for o in others)
+    single, ddp = saved[1]["grads"], saved[2]["grads"]
+    assert single.keys() == ddp.keys()
+    for name, grad in single.items():
+        assert torch.equal(ddp[name], grad), name
