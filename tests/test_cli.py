@@ -120,6 +120,10 @@ def test_plan_command_plans_the_graph(tmp_path):
 
     plan = Plan.load(out)
     assert plan.graph_recompute and plan.verified_peak_bytes <= plan.budget_bytes
+    # where: a row per module whose forward runs what the plan recomputes
+    assert plan.graph_modules and "ops recomputed" in result.output
+    for module, ops in plan.recomputed_where():
+        assert module.split(".")[-1] in result.output
     result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
                                  "--budget", "0.6x", "--graph", "--offload"])
     assert result.exit_code == 2 and "Graph plans do not take offload" in result.output

@@ -157,6 +157,9 @@ def test_optimal_plans_the_graph_by_itself_and_measures_it_on_meta():
     plan = remat3d.plan(model, SHAPE, budget="0.8x")  # strategy optimal, graph=None
     assert plan.strategy == "optimal" and plan.graph_recompute and not plan.regions
     assert plan.verified_peak_bytes <= plan.budget_bytes
+    # each recomputed op's module, in the step's order (what reports list)
+    assert set(plan.graph_modules) == set(plan.graph_recompute)
+    assert set(plan.graph_modules.values()) <= {name for name, _ in model.named_modules()}
     modules = remat3d.plan(model, SHAPE, budget="0.8x", graph=False)
     assert modules.graph_recompute is None and modules.regions
     assert plan.recompute_flops < modules.recompute_flops

@@ -20,6 +20,20 @@ def test_round_trip(tmp_path):
     assert "dec[1..2]" in text and "storage=bfloat16" in text
 
 
+def test_a_graph_plan_says_which_modules_run_what_it_recomputes():
+    plan = Plan(graph_recompute=["cat", "convolution_1", "getitem_2", "view", "view_3"],
+                graph_modules={"convolution_1": "enc.0", "getitem_2": "enc.1",
+                               "view": "enc.1", "view_3": "enc.1", "cat": ""},
+                model="Net")
+    assert plan.recomputed_where() == [("enc.0", "convolution"), ("enc.1", "view ×2"),
+                                       ("Net's own forward", "cat")]
+    assert "  - recompute enc.1: view ×2" in plan.summary()
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    unknown = Plan(graph_recompute=["relu"])  # a graph captured without module names
+    assert unknown.recomputed_where() == [("outside any module's forward", "relu")]
+    assert Plan(regions=[]).recomputed_where() == []
+
+
 @pytest.mark.parametrize("data, match", [
     ({"schema": "remat3d.plan/0", "regions": []}, "Unsupported plan schema"),
     ({"schema": "remat3d.plan/1", "regions": [], "colour": 1}, "Unknown plan field"),
@@ -30,6 +44,8 @@ def test_round_trip(tmp_path):
     ({"schema": "remat3d.plan/1", "regions": [{"module": "a", "decision": "offload",
                                                "policy": "recompute-all"}]},
      "only applies to decision 'recompute'"),
+    ({"schema": "remat3d.plan/1", "regions": [], "graph_recompute": ["view"],
+      "graph_modules": {"cat": ""}}, "graph_modules names nodes graph_recompute does not"),
 ])
 def test_bad_plans(data, match):
     with pytest.raises(PlanError, match=match):

@@ -43,6 +43,9 @@ class OpNode:
     transient_bytes: int = 0  # outputs of a multi-output op that no node picks
     flops: int = 0
     recomputable: bool = True  # False: random or side-effecting ops (run exactly once)
+    # the module whose forward ran it ("" the model's own forward; None: not known), for
+    # reports (capture/joint.py NOTE rule 10)
+    module: str | None = None
 
 
 def made_by(node: OpNode, picks: Callable[[str], list[OpNode]]

@@ -74,6 +74,7 @@ from remat3d.instrument.step import (
 )
 from remat3d.instrument.tracker import shared_repeats
 from remat3d.measurement import measure
+from remat3d.opgraph import OpGraph
 from remat3d.planner.graph_search import search_graph
 from remat3d.planner.liveness import convolution_floor, recompute_floor
 from remat3d.planner.registry import PlannerOptions
@@ -427,6 +428,14 @@ def _graph_options(*, offload: bool) -> None:
         )
 
 
+def _recomputed_modules(graph: OpGraph, recompute: list[str]) -> dict[str, str]:
+    """``Plan.graph_modules``: the module of each recomputed node that has one, in the
+    step's order (reports list them so)."""
+    chosen = set(recompute)
+    return {n.name: n.module for n in graph.forward
+            if n.name in chosen and n.module is not None}
+
+
 def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
                 captured: Captured, unplanned_peak: int, step_flops: int,
                 strategy: str, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
@@ -451,6 +460,7 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
             return dataclasses.replace(
                 header, strategy=strategy, graph_recompute=choice.recompute,
                 graph_twice=choice.twice, graph_digest=captured.digest,
+                graph_modules=_recomputed_modules(graph, choice.recompute),
                 predicted_peak_bytes=choice.liveness.peak_bytes,
                 verified_peak_bytes=measured,
                 recompute_flops=choice.liveness.recompute_flops,

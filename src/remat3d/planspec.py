@@ -214,6 +214,10 @@ class Plan:
     # of graph_recompute, the nodes recomputed a second time for their late readers
     # (planner/liveness.py NOTE rule 4: a U-Net skip read by the decoder and the encoder)
     graph_twice: list[str] = field(default_factory=list)
+    # of graph_recompute, the module whose forward ran each node ("" the model's own
+    # forward: a parent's torch.cat), where the trace knew it (capture/joint.py NOTE
+    # rule 10): what reports say the plan recomputes where
+    graph_modules: dict[str, str] = field(default_factory=dict)
     # the graph plan's step graph (capture/joint.py, graph_digest): a step whose graph
     # differs (another precision, model or torch) is refused, not run with this plan
     graph_digest: str | None = None
@@ -237,6 +241,11 @@ class Plan:
         if self.graph_backend not in GRAPH_BACKENDS:
             raise PlanError(f"graph_backend is {self.graph_backend!r}; a graph plan's "
                             "graphs run 'eager' (op by op) or 'inductor' (compiled).")
+        named = sorted(set(self.graph_modules) - set(self.graph_recompute or ()))
+        if named:
+            raise PlanError(f"graph_modules names nodes graph_recompute does not "
+                            f"({', '.join(named[:5])}): it says where recomputed nodes "
+                            "run.")
         stray = sorted(set(self.graph_twice) - set(self.graph_recompute or ()))
         if stray:
             raise PlanError(f"graph_twice names nodes graph_recompute does not "
@@ -296,6 +305,25 @@ class Plan:
         return cls.from_dict(data)
 
     # -- text ---------------------------------------------------------------------------
+    def recomputed_where(self) -> list[tuple[str, str]]:
+        """A graph plan's recomputed ops by the module whose forward runs them (its
+        name; the model's own forward, or "outside any module's forward" where the trace
+        did not say), in the step's order: (module, the ops as "kind" or "kind ×n",
+        ``getitem`` picks left out). Empty for a module plan."""
+        where: dict[str, dict[str, int]] = {}
+        named = set(self.graph_modules)  # (in the step's order)
+        for name in [*self.graph_modules,
+                     *(n for n in self.graph_recompute or () if n not in named)]:
+            module = self.graph_modules.get(name)
+            label = ("outside any module's forward" if module is None else module
+                     or f"{self.model or 'the model'}'s own forward")
+            kind = name.rstrip("0123456789").rstrip("_") or name
+            if kind != "getitem":
+                ops = where.setdefault(label, {})
+                ops[kind] = ops.get(kind, 0) + 1
+        return [(label, ", ".join(k if n == 1 else f"{k} ×{n}" for k, n in ops.items()))
+                for label, ops in where.items()]
+
     def summary(self) -> str:
         counts = {d: sum(r.decision == d for r in self.regions) for d in DECISIONS}
         parts = ", ".join(f"{n} {d}" for d, n in counts.items() if n)
@@ -348,6 +376,8 @@ class Plan:
             if region.stash_norms is not None:
                 extra += " (normalisations " + ", ".join(map(str, region.stash_norms)) + ")"
             lines.append(f"  - {region.decision:9s} {region.label}{extra}")
+        for module, ops in self.recomputed_where():
+            lines.append(f"  - recompute {module}: {ops}")
         named = {r.module for r in self.regions}
         for parent, spans in self.spans.items():  # the spans regions name (runtime/spans.py)
             for k, nodes in enumerate(spans):

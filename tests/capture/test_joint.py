@@ -29,6 +29,26 @@ def test_the_parents_own_ops_are_nodes_of_the_graph():
     assert all(n.bytes == 0 for n in graph.nodes if n.base is not None)  # views own nothing
 
 
+def test_each_node_names_the_module_whose_forward_ran_it():
+    # capture/joint.py NOTE rule 10
+    import torch.fx.traceback as fx_traceback
+
+    model = ParentConcat()
+    graph = capture(model, (1, 1, 8, 8, 8)).graph
+    module = {n.op: n.module for n in graph.forward}
+    assert module["cat"] == "" and module["relu"] == ""  # the model's own forward
+    assert module["_prelu_kernel"] == "enc.2"
+    assert [n.module for n in graph.forward if n.op == "convolution"] == [
+        "enc.0", "down", "up", "dec.0", "head"]
+    backward = {n.op: n.module for n in graph.backward}
+    assert backward["_prelu_kernel_backward"] == "enc.2"  # its forward node's
+    # the annotations went with the traced copy, even where its forward raised
+    with pytest.raises(CaptureError):
+        capture(_ValueDependent(), (1, 1, 8, 8, 8))
+    assert "custom" not in fx_traceback.current_meta
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
 def test_a_meta_model_is_traced_without_memory_and_with_every_gradient():
     # PReLU traced from meta tensors lost its backward (capture/joint.py NOTE rule 3)
     torch.manual_seed(0)

@@ -43,6 +43,13 @@ NOTE [ Tracing the joint graph ]
   9. Upsampling is traced as eager runs it (``_eager_upsampling``): the Python
      decompositions of ``upsample_*`` that tracing would use are set aside while it
      traces, so ``upsample_trilinear3d`` and its backward are the eager kernels (bitwise).
+  10. :func:`capture` names, on each node, the module whose forward ran it (its qualified
+     name; "" the model's own forward: a parent's ``torch.cat``), for reports: forward
+     hooks on the traced copy set torch's FX annotation (``torch.fx.traceback.annotate``,
+     which the tracer copies into each node's ``meta["custom"]``; a backward node gets
+     its forward node's), innermost module last; the hooks go with the copy, and an
+     annotation left open by a forward that raised is closed. The graph is the same
+     without them (its digest too).
 """
 
 from __future__ import annotations
@@ -396,7 +403,7 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None,
     params = list(fake_model.parameters())
     buffers = list(fake_model.buffers())
     versions = [b._version for b in buffers]
-    with tracing_errors(model):
+    with tracing_errors(model), _module_names(fake_model):
         aot_step(fake_model, record, amp)(*fake_inputs)
     if "joint" not in seen:
         raise CaptureError(f"{type(model).__name__}'s forward made no output that needs a "
@@ -409,6 +416,41 @@ def capture(model: nn.Module, *inputs: Any, device: str | None = None,
                      [list(x.shape) for x in fake_inputs], mutated)
     return Captured(graph, seen["joint"], graph_digest(seen["joint"]), seen["inputs"],
                     seen["outputs"])
+
+
+_MODULE_KEY = "remat3d_module"  # NOTE rule 10: the key of the module's name on a node
+
+
+@contextlib.contextmanager
+def _module_names(model: nn.Module) -> Iterator[None]:
+    """While ``model`` (a traced copy) runs, each node traced carries the name of the
+    module whose forward ran it (NOTE rule 10)."""
+    from torch.fx.traceback import annotate
+
+    opened: list[contextlib.AbstractContextManager[None]] = []
+
+    def entering(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            annotation = annotate({_MODULE_KEY: name})
+            annotation.__enter__()
+            opened.append(annotation)
+        return hook
+
+    def leaving(module: nn.Module, args: Any, output: Any) -> None:
+        if opened:
+            opened.pop().__exit__(None, None, None)
+
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(entering(name)))
+            handles.append(module.register_forward_hook(leaving, always_call=True))
+        yield
+    finally:
+        while opened:  # a forward that raised (its hook ran anyway: always_call)
+            opened.pop().__exit__(None, None, None)
+        for handle in handles:
+            handle.remove()
 
 
 # --------------------------------------------------------------------------- to plain data
@@ -470,7 +512,8 @@ def op_graph(joint: fx.GraphModule, num_fwd_outputs: int, model: str,
         op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
         reads_updated = mutated.intersection(inputs) and not batch_norm_in_training(node)
         entry = OpNode(node.name, op, phase, inputs,
-                       recomputable=_recomputable(node.target) and not reads_updated)
+                       recomputable=_recomputable(node.target) and not reads_updated,
+                       module=(node.meta.get("custom") or {}).get(_MODULE_KEY))
         if node.target is operator.getitem:
             entry.bytes = _nbytes(value)
         elif isinstance(value, (tuple, list)):  # a multi-output op: its getitems own them

@@ -97,6 +97,14 @@ def plan_command(
         table.add_row(region.label, region.decision, detail)
     if result.graph_recompute is None:
         console.print(table)
+    elif result.graph_recompute:  # what the graph plan recomputes, by module
+        where = Table(title=f"{model} {format_shape(shape)} amp={amp}: recomputed in "
+                            f"backward ({strategy}, a graph plan)", title_justify="left")
+        where.add_column("module", overflow="fold", min_width=24)
+        where.add_column("ops recomputed", overflow="fold")
+        for module, ops in result.recomputed_where():
+            where.add_row(module, ops)
+        console.print(where)
     predicted = ("" if result.predicted_peak_bytes is None else
                  f" | predicted {format_bytes(result.predicted_peak_bytes)}")
     console.print(
