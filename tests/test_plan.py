@@ -21,11 +21,13 @@ def test_round_trip(tmp_path):
 
 
 def test_a_graph_plan_says_which_modules_run_what_it_recomputes():
-    plan = Plan(graph_recompute=["cat", "convolution_1", "getitem_2", "view", "view_3"],
-                graph_modules={"convolution_1": "enc.0", "getitem_2": "enc.1",
+    plan = Plan(graph_recompute=["atan2_1", "cat", "convolution_1", "getitem_2", "view",
+                                 "view_3"],
+                graph_modules={"convolution_1": "enc.0", "atan2_1": "enc.0",
+                               "getitem_2": "enc.1",
                                "view": "enc.1", "view_3": "enc.1", "cat": ""},
                 model="Net")
-    assert plan.recomputed_where() == [("enc.0", "convolution"), ("enc.1", "view ×2"),
+    assert plan.recomputed_where() == [("enc.0", "convolution, atan2"), ("enc.1", "view ×2"),
                                        ("Net's own forward", "cat")]
     assert "  - recompute enc.1: view ×2" in plan.summary()
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,7 @@ class Plan:
             module = self.graph_modules.get(name)
             label = ("outside any module's forward" if module is None else module
                      or f"{self.model or 'the model'}'s own forward")
-            kind = name.rstrip("0123456789").rstrip("_") or name
+            kind = re.sub(r"_\d+$", "", name)  # FX names an op's nth node "<op>_<n>"
             if kind != "getitem":
                 ops = where.setdefault(label, {})
                 ops[kind] = ops.get(kind, 0) + 1
