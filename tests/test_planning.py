@@ -161,7 +161,7 @@ def test_search_also_tries_targets_above_the_budget():
 
     problem = Problem(stages=stages, graph=graph, budget=budget, strategy="optimal",
                       options=PlannerOptions(), header=Plan(), step_flops=0,
-                      unplanned_peak=stages.unplanned_peak, verify=lambda p: None)
+                      unplanned_peak=stages.unplanned_peak, verify=lambda p, within=None: None)
     seeds = Search(problem).seeds()
     assert len(seeds) == 2
     assert all(s.verified_peak_bytes <= budget for s in seeds)

@@ -72,13 +72,14 @@ from remat3d.instrument.step import (
     meta_copy,
     rare_full_collections,
 )
-from remat3d.instrument.tracker import shared_repeats
+from remat3d.instrument.tracker import LimitExceeded, shared_repeats, stop_above
 from remat3d.measurement import measure
 from remat3d.opgraph import OpGraph
 from remat3d.planner.graph_search import search_graph
 from remat3d.planner.liveness import convolution_floor, recompute_floor
+from remat3d.planner.measured import Limits, Measured
 from remat3d.planner.registry import PlannerOptions
-from remat3d.planner.searching import Measured, Problem, search
+from remat3d.planner.searching import Problem, search
 from remat3d.planner.stages import StageModel, build_stages
 from remat3d.planspec import Plan
 from remat3d.profiling import profile
@@ -138,17 +139,25 @@ def resolve_budget(budget: str | float, unplanned_peak: int,
 
 
 def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: str | None,
-            loss_fn: Callable[[Any], torch.Tensor] | None) -> Measured:
+            loss_fn: Callable[[Any], torch.Tensor] | None,
+            within: Limits | None = None) -> Measured:
     """Replay the plan on a meta copy under the tracker (the search's verifier), every
     recomputation compared with its forward op by op: a region whose forward depends on
-    more than its inputs fails here, named, instead of in training."""
+    more than its inputs fails here, named, instead of in training. ``within``: stop
+    where the step passes those limits (NOTE [ Bounded measurements ])."""
     tiled = sum(r.decision == Decision.TILE for r in plan_.regions)
     logger.info("verifying a candidate plan on meta: %d regions%s", len(plan_.regions),
                 f", {tiled} tiled" if tiled else "")
     copy_ = meta_copy(model)
     apply(copy_, plan_)
-    with op_by_op_checks():
-        m = measure(copy_, *examples, device="meta", amp=amp, loss_fn=loss_fn)
+    limits = within or Limits()
+    try:
+        with op_by_op_checks(), stop_above(limits.peak_bytes, limits.flops):
+            m = measure(copy_, *examples, device="meta", amp=amp, loss_fn=loss_fn)
+    except LimitExceeded as stop:
+        logger.info("stopped: %s (%s, %.3g FLOPs so far)", stop,
+                    format_bytes(stop.peak_bytes), stop.flops)
+        return Measured(stop.peak_bytes, 0, stop.flops, 0, stop.module, complete=False)
     return Measured(m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes,
                     m.peak_modules[0] if m.peak_modules else None, m.tiled_peaks)
 
@@ -391,13 +400,14 @@ class _Attempt:
         verifier, tileable = _torch_side(self.model, self.examples, self.amp, self.loss_fn,
                                          stages, self.probed)
 
-        def remembered(candidate: Plan) -> Measured:
+        def remembered(candidate: Plan, within: Limits | None = None) -> Measured:
             key = json.dumps([dataclasses.asdict(r) for r in candidate.regions]
                              + [candidate.offload_min_bytes, candidate.prefetch,
                                 candidate.rebuild_saved], sort_keys=True)
-            if key not in self.measured:
-                self.measured[key] = verifier(candidate)
-            return self.measured[key]
+            known = self.measured.get(key)
+            if known is None or not known.answers(within):
+                known = self.measured[key] = verifier(candidate, within)
+            return known
 
         # the candidates' tiled runs are mostly the same: their tiles are booked, not
         # run, from one candidate to the next (NOTE [ Repeats on meta ] rule 5)
@@ -488,9 +498,9 @@ def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
     """What the pure search asks of torch: a verifier (each candidate replayed on a meta
     copy under the tracker) and which stages can run tiled (probed only when asked, on
     ``probed``: the model with its spans registered, where it has spans)."""
-    def verifier(candidate: Plan) -> Measured:
+    def verifier(candidate: Plan, within: Limits | None = None) -> Measured:
         try:
-            return _verify(model, examples, candidate, amp, loss_fn)
+            return _verify(model, examples, candidate, amp, loss_fn, within)
         except InPlaceInputError as exc:
             raise Remat3dError(f"Plan could not be verified: {exc}") from exc
 

@@ -264,3 +264,28 @@ def test_rarer_full_collections_nest_and_overlap_across_threads():
     release.set()
     thread.join(10)
     assert gc.get_threshold() == before
+
+
+def test_a_tracker_stops_where_its_limits_are_passed_and_unwinds():
+    # NOTE [ Bounded measurements ]: the peak or the FLOPs past a limit stop the step;
+    # what it reports are lower bounds, and no dispatch mode is left behind
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from remat3d.instrument.tracker import LimitExceeded, stop_above
+
+    def step() -> None:
+        with MemoryTracker("meta"):
+            a = torch.empty(1000, device="meta")   # 4000 B
+            b = a @ torch.empty(1000, 10, device="meta")  # 20000 FLOPs, 40 B more
+            del a, b
+
+    with stop_above(peak_bytes=3999), pytest.raises(LimitExceeded) as stopped:
+        step()
+    assert stopped.value.what == "memory" and stopped.value.peak_bytes >= 4000
+    with stop_above(flops=19999), pytest.raises(LimitExceeded) as stopped:
+        step()
+    assert stopped.value.what == "FLOP" and stopped.value.flops == 20000
+    assert not _get_current_dispatch_mode_stack()
+    with stop_above(peak_bytes=10**6, flops=10**6):
+        step()  # within its limits: measured whole
+    step()  # the limits are gone with their scope

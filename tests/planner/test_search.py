@@ -14,8 +14,9 @@ import pytest
 
 from remat3d.errors import InfeasibleBudgetError, Remat3dError
 from remat3d.graph import CostGraph
+from remat3d.planner.measured import Measured
 from remat3d.planner.registry import PlannerOptions, get_strategy
-from remat3d.planner.searching import Measured, Problem, decision_regions, search
+from remat3d.planner.searching import Problem, decision_regions, search
 from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, StageModel
 from remat3d.planspec import Plan
 from tests.planner.test_optimal import random_model
@@ -34,7 +35,7 @@ def _decisions(model: StageModel, plan: Plan) -> list[str]:
 
 def fake_verifier(model: StageModel, error: float = 0.0, calls: list[int] | None = None):
     """The stage model's prediction times ``1 + error``, as a verifier would measure it."""
-    def verify(plan: Plan) -> Measured:
+    def verify(plan: Plan, within: object = None) -> Measured:
         if calls is not None:
             calls.append(1)
         decisions = _decisions(model, plan)
@@ -90,7 +91,7 @@ def test_each_distinct_plan_is_verified_once():
     inner = fake_verifier(model)
     seen: list[tuple] = []
 
-    def verify(plan: Plan) -> Measured:
+    def verify(plan: Plan, within: object = None) -> Measured:
         seen.append((plan.prefetch, plan.rebuild_saved,
                      *((r.module, r.decision, str(r.policy)) for r in plan.regions)))
         return inner(plan)
@@ -106,7 +107,7 @@ def test_the_plan_goes_without_rebuilding_only_where_it_fits_without(without: in
     model.unplanned_peak = model.peak([KEEP] * 5)
     inner = fake_verifier(model)
 
-    def verify(plan: Plan) -> Measured:
+    def verify(plan: Plan, within: object = None) -> Measured:
         m = inner(plan)
         return m._replace(peak_bytes=m.peak_bytes + (0 if plan.rebuild_saved else without))
 
@@ -122,7 +123,7 @@ def test_the_plan_with_no_region_competes():
     model.unplanned_peak = model.peak([KEEP] * 5)
     inner = fake_verifier(model)
 
-    def verify(plan: Plan) -> Measured:  # what keeps everything measures low
+    def verify(plan: Plan, within: object = None) -> Measured:  # what keeps everything measures low
         m = inner(plan)
         return m._replace(peak_bytes=1) if not plan.regions else m
 

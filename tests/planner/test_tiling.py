@@ -15,6 +15,7 @@ import torch
 import remat3d
 from remat3d.errors import InfeasibleBudgetError
 from remat3d.instrument.step import meta_copy
+from remat3d.planner.measured import Limits
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.stages import Stage, StageModel, build_stages
 from remat3d.planner.tiled_plans import first_fitting_layout
@@ -225,12 +226,11 @@ def test_a_layout_is_passed_over_when_a_more_frugal_one_does_not_fit() -> None:
     peaks = {(8, "device"): 90, (8, "host"): 70, (4, "device"): 60, (4, "host"): 40}
     verified: list[tuple[int, str]] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         tiled = [r for r in plan.regions if r.decision == "tile"]
         key = (tiled[0].tile[0], "host" if tiled[0].host else "device")
         verified.append(key)
-        plan.verified_peak_bytes = peaks[key]
-        return plan
+        return _measured(plan, peaks[key], within)
 
     def fresh(regions: list[Region]) -> Plan:
         return Plan(regions=regions)
@@ -239,6 +239,13 @@ def test_a_layout_is_passed_over_when_a_more_frugal_one_does_not_fit() -> None:
     # once, and every other is passed over unmeasured (each keeps as much or more)
     chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 30,
                                             fresh, check)
+    assert chosen is None and smallest == 1 << 62  # each stopped at the budget
+    assert verified == [(4, "host")]
+    # the smallest (what the error names): each measured until it passes the smallest
+    # measured whole so far; the first whole
+    verified.clear()
+    chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 30,
+                                            fresh, check, smallest_only=True)
     assert chosen is None and smallest == 40
     assert verified == [(4, "host")]
     # one that only tile 4 on the host fits: the frugal probe fits, so the cheaper
@@ -307,11 +314,11 @@ class _TableVerifier:
         self.peaks, self.key, self.relayout = peaks, key, relayout
         self.verified: list[object] = []
 
-    def check(self, plan: Plan) -> Plan:
+    def check(self, plan: Plan, within: Limits | None = None) -> Plan:
         key = self.key([r for r in plan.regions if r.decision == "tile"])
         self.verified.append(key)
-        plan.verified_peak_bytes, plan.verified_peak_module = self.peaks[key]
-        return plan
+        peak, plan.verified_peak_module = self.peaks[key]
+        return _measured(plan, peak, within)
 
     def extend(self, layout: Layout, module: str | None) -> Layout | None:
         s = int(module[1]) if module else None
@@ -326,6 +333,18 @@ class _TableVerifier:
                                          lambda regions: Plan(regions=regions), self.check,
                                          extend=self.extend if repair else None)
         return chosen
+
+
+def _measured(plan: Plan, peak: int, within: Limits | None) -> Plan:
+    """``plan`` as a verifier reports a step of that peak ``within`` those limits (NOTE
+    [ Bounded measurements ]): whole, or stopped just past the limit, with the FLOPs done
+    by then standing for how far the step got (here: the lower its peak, the further)."""
+    limit = None if within is None else within.peak_bytes
+    if limit is not None and peak > limit:
+        plan.verified_peak_bytes, plan.extra_flops = limit + 1, 10**6 - peak
+    else:
+        plan.verified_peak_bytes = peak
+    return plan
 
 
 def _tiled_stages(tiled: list[Region]) -> tuple[int, ...]:
@@ -487,7 +506,7 @@ def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_
                  extra_flops=1000)
     verified: list[list[str]] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         fused = sorted(r.module for r in plan.regions if r.fuse)
         verified.append(fused)
         plan.verified_peak_bytes = 100 + 10 * (2 - len(fused))
@@ -506,7 +525,7 @@ def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_
     hosted = Plan(regions=[dataclasses.replace(r, fuse=False, host=r.module == "stem")
                            for r in start.regions], verified_peak_bytes=100, extra_flops=700)
 
-    def check_host(plan: Plan) -> Plan:
+    def check_host(plan: Plan, within: Limits | None = None) -> Plan:
         plan.verified_peak_bytes, plan.extra_flops = 120, 700
         return plan
 
@@ -540,7 +559,7 @@ def test_tiled_stages_run_whole_where_room_allows_most_passes_first(graph_and_st
         {"stem", "down", "head"}
     verified: list[str] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         tiled = {r.module for r in plan.regions if r.decision == "tile"}
         whole = sorted({"stem", "down", "head"} - tiled)
         verified.append(",".join(whole))
@@ -588,7 +607,7 @@ def test_runs_stash_on_the_device_where_room_allows_most_passes_first(graph_and_
                  extra_flops=1000, step_flops=1)
     verified: list[list[str]] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         stashed = sorted(r.module for r in plan.regions if r.stash)
         verified.append(stashed)
         plan.verified_peak_bytes = 100 + 10 * len(stashed)
@@ -618,7 +637,7 @@ def test_runs_stash_on_the_device_where_room_allows_most_passes_first(graph_and_
                     "stem#0": {"forward": 1, "sums": 1, "final": big},
                     "down#0": {"forward": big, "sums": 1, "final": 1}})
 
-    def level(plan: Plan) -> Plan:
+    def level(plan: Plan, within: Limits | None = None) -> Plan:
         check(plan)
         plan.verified_peak_bytes = big
         return plan
@@ -659,7 +678,7 @@ def test_a_run_whose_stashes_do_not_all_fit_stashes_one(graph_and_stages) -> Non
                      "down#0": {"forward": big, "sums": big}})
     verified: list[tuple[str, list[int] | None]] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         verified.extend((r.module, r.stash_norms) for r in plan.regions if r.stash)
         plan.verified_peak_bytes, plan.extra_flops = big, 900
         return plan
@@ -692,7 +711,7 @@ def test_a_run_with_one_stash_takes_a_second_where_it_fits(graph_and_stages) -> 
                      "down#0": {"forward": big, "sums": big}})
     verified: list[list[int] | None] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         head = next(r for r in plan.regions if r.module == "head")
         verified.append(head.stash_norms)
         plan.verified_peak_bytes = big
@@ -736,7 +755,7 @@ def test_runs_reading_rebuilt_outputs_compute_them_in_tiles_then_whole_where_roo
                  verified_peak_bytes=100, extra_flops=1000, step_flops=1)
     verified: list[list[str]] = []
 
-    def check(plan: Plan) -> Plan:
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
         whole = sorted(r.module for r in plan.regions
                        if r.decision == "tile" and not r.rebuild_in_tiles)
         verified.append(whole)
@@ -783,10 +802,11 @@ def test_rebuilt_runs_reading_rebuilt_outputs_hand_their_inputs_on_where_they_fi
         plan.extra_flops = 1000 - 100 * len(handing)
         return plan
 
-    chosen = hand_rebuilt_inputs(start, 150, stages, lambda p: check(p, 10), readers)
+    chosen = hand_rebuilt_inputs(start, 150, stages, lambda p, within=None: check(p, 10), readers)
     assert tried == [["up"]]
     assert [r.module for r in chosen.regions if r.hand_inputs] == ["up"]
     assert chosen.extra_flops == 900
     tried.clear()  # over the budget: the plan as it was
-    assert hand_rebuilt_inputs(start, 150, stages, lambda p: check(p, 60), readers) is start
+    assert hand_rebuilt_inputs(start, 150, stages, lambda p, within=None: check(p, 60),
+                               readers) is start
     assert tried == [["up"]]

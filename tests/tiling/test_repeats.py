@@ -250,3 +250,37 @@ def test_a_far_edge_tile_is_keyed_as_its_mirror_image():
     plan = Plan(regions=[Region("input_block", decision="tile", tile=[4, 4, 4]),
                          Region("upsamples.1", decision="tile", tile=[4, 4, 4])])
     _same_with_and_without(net, plan, (1, 1, 16, 16, 16))
+
+
+def test_the_planner_chooses_the_same_plan_with_its_losing_candidates_stopped(monkeypatch):
+    # NOTE [ Bounded measurements ]: candidates measured only until they pass the budget
+    # or the FLOPs of the plan they would replace (the improvements of rules 8-12 and the
+    # prune reject each stopped one as they would have rejected it measured whole; a
+    # stopped layout is repaired from where it passed the budget): here the same plan
+    import contextlib
+
+    import remat3d.planning
+
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    shape = (1, 1, 32, 32, 32)
+    stops: list[str] = []
+    bounded = remat3d.planning.stop_above
+
+    @contextlib.contextmanager
+    def counted(peak_bytes=None, flops=None):
+        with bounded(peak_bytes, flops):
+            try:
+                yield
+            except remat3d.planning.LimitExceeded as exc:
+                stops.append(exc.what)
+                raise
+
+    plans = {}
+    for stop in (True, False):
+        remat3d.planning.clear_plan_cache()
+        monkeypatch.setattr(remat3d.planning, "stop_above",
+                            counted if stop else lambda *a, **k: contextlib.nullcontext())
+        plans[stop] = remat3d.plan(net, shape, budget="0.3x", graph=False)
+    remat3d.planning.clear_plan_cache()
+    assert plans[True].tiled and stops, plans[True].summary()
+    assert plans[True].to_dict() == plans[False].to_dict()

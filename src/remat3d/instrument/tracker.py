@@ -100,9 +100,10 @@ from remat3d.instrument.metacache import META_KERNELS
 from remat3d.instrument.state import current_placement, is_recomputing
 from remat3d.instrument.tensors import tensors_in
 
-__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "MemoryTracker", "PeakTensor", "Repeat",
-           "TimelineEvent",
-           "active_tracker", "replaying_tracker", "shared_repeat", "shared_repeats"]
+__all__ = ["HOST", "PEAK_CATEGORIES", "EdgeRecord", "LimitExceeded", "MemoryTracker",
+           "PeakTensor", "Repeat", "TimelineEvent",
+           "active_tracker", "replaying_tracker", "shared_repeat", "shared_repeats",
+           "stop_above"]
 
 HOST = "cpu"  # where host-resident tensors of a meta step are booked
 
@@ -221,6 +222,39 @@ def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
     return kept
 
 
+# NOTE [ Bounded measurements ]
+#   A search that only asks whether a candidate beats the plan it has (it fits the budget
+#   and costs fewer FLOPs) need not measure a losing candidate to its end: the peak and the
+#   FLOPs only grow as a step runs. Trackers made inside ``stop_above()`` raise
+#   ``LimitExceeded`` the moment the live bytes on their device pass ``peak_bytes`` or
+#   their FLOPs pass ``flops``; what they measured up to then are lower bounds of the
+#   whole step's. Every context the step entered unwinds as for any other exception (the
+#   repeats it was recording are dropped, NOTE [ Repeats on meta ]).
+_LIMITS: contextvars.ContextVar[tuple[int | None, int | None]] = contextvars.ContextVar(
+    "remat3d_tracker_limits", default=(None, None))
+
+
+class LimitExceeded(Exception):
+    """A tracker made inside :func:`stop_above` passed a limit: ``peak_bytes`` (the live
+    bytes then, or the peak so far) and ``flops`` are lower bounds of the step's, and
+    ``module`` is the innermost module running then (None: outside every module)."""
+
+    def __init__(self, what: str, peak_bytes: int, flops: int, module: str | None) -> None:
+        super().__init__(f"{what} limit passed in {module or 'the step'}")
+        self.what, self.peak_bytes, self.flops, self.module = what, peak_bytes, flops, module
+
+
+@contextlib.contextmanager
+def stop_above(peak_bytes: int | None = None, flops: int | None = None) -> Iterator[None]:
+    """Trackers made inside stop their step once its live bytes pass ``peak_bytes`` or its
+    FLOPs pass ``flops`` (NOTE [ Bounded measurements ]); None: no limit."""
+    token = _LIMITS.set((peak_bytes, flops))
+    try:
+        yield
+    finally:
+        _LIMITS.reset(token)
+
+
 def active_tracker() -> MemoryTracker | None:
     """The innermost active tracker, if any."""
     for mode in reversed(_get_current_dispatch_mode_stack()):
@@ -281,6 +315,8 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_extra = 0
         self._peak_at: tuple[str, ...] | None = None
         self.flops: dict[str, int] = {"forward": 0, "backward": 0, "recompute": 0}
+        self._flops_total = 0
+        self._limit_bytes, self._limit_flops = _LIMITS.get()  # NOTE [ Bounded measurements ]
         self.node_flops: dict[tuple[int | None, str], int] = {}
         self.node_seconds: dict[tuple[int | None, str], float] = {}
         self.edges: dict[tuple[int, int], EdgeRecord] = {}
@@ -472,6 +508,7 @@ class MemoryTracker(TorchDispatchMode):
                 r for r in self.ledger.records.values() if r.device == self.device
             ]
             self._peak_extra, self._peak_at = repeat.high, repeat.at
+            self._check_limits()
 
     def _high_water_event(self, repeat: Repeat, live: int) -> int | None:
         """A booked or replayed repeat's one timeline event, its high-water mark above
@@ -483,6 +520,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def _add_flops(self, key: tuple[int | None, str], flops: int) -> None:
         self.flops[key[1]] += flops
+        self._flops_total += flops
+        if self._limit_flops is not None and self._flops_total > self._limit_flops:
+            self._stop("FLOP")
         self.node_flops[key] = self.node_flops.get(key, 0) + flops
         for recording in self._recordings:
             recording.flops.append((key, flops))
@@ -522,6 +562,18 @@ class MemoryTracker(TorchDispatchMode):
                 r for r in self.ledger.records.values() if r.device == self.device
             ]
             self._peak_extra, self._peak_at = 0, None
+            self._check_limits()
+
+    def _check_limits(self) -> None:
+        """NOTE [ Bounded measurements ]: called where the peak rises."""
+        if self._limit_bytes is not None and self.peak_bytes > self._limit_bytes:
+            self._stop("memory")
+
+    def _stop(self, what: str) -> None:
+        node = self.invocations.current() if self.invocations is not None else None
+        names = self._names(node)
+        raise LimitExceeded(what, self.peak_bytes, self._flops_total,
+                            names[0] if names else None)
 
     def _op_phase(self) -> str:
         if self.phase == "forward":

@@ -9,8 +9,9 @@ plain data (``Plan``); ``remat3d.plan`` supplies the verifier that measures cand
   promise ]); ``tiled_plans.py`` and ``tiling.py``: tiling layouts when nothing else fits
 """
 
+from remat3d.planner.measured import Measured, Verifier
 from remat3d.planner.registry import STRATEGIES, PlannerOptions, get_strategy
-from remat3d.planner.searching import Measured, Problem, Verifier, search
+from remat3d.planner.searching import Problem, search
 
 __all__ = ["STRATEGIES", "Measured", "PlannerOptions", "Problem", "Verifier", "get_strategy",
            "search"]

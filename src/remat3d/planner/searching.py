@@ -21,14 +21,13 @@ NOTE [ The budget is a promise ]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import NamedTuple
 
 from remat3d.decisions import SELECTIVE_POLICY, Decision
 from remat3d.errors import InfeasibleBudgetError
 from remat3d.graph import CostGraph
+from remat3d.planner.measured import Limits, Measured, Verifier
 from remat3d.planner.optimal import min_peak
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
@@ -54,24 +53,11 @@ from remat3d.planner.tiling import (
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["Measured", "Problem", "Verifier", "decision_regions", "extra_cost", "search"]
+__all__ = ["Limits", "Measured", "Problem", "Verifier", "decision_regions", "extra_cost", "search"]
 
 _ROUNDS = 8  # bisection steps per search
 
 
-class Measured(NamedTuple):
-    """What the verifier measured of one planned step."""
-
-    peak_bytes: int
-    recompute_flops: int
-    flops: int        # every FLOP of the planned step (recomputation, tile passes, halos)
-    host_bytes: int   # host memory of host-resident tiled outputs
-    peak_module: str | None = None  # the innermost module running at the peak
-    # per tiled region's label and part of its run, the most bytes live while it ran
-    tiled_peaks: Mapping[str, Mapping[str, int]] = MappingProxyType({})
-
-
-Verifier = Callable[[Plan], Measured]
 
 
 @dataclass
@@ -129,8 +115,10 @@ class _Search:
         self.measured_plans: dict[tuple, Measured] = {}
 
     # -- one candidate --------------------------------------------------------------
-    def measure(self, candidate: Plan) -> Measured:
-        """The verifier's measurement, once per distinct plan (searches revisit plans)."""
+    def measure(self, candidate: Plan, within: Limits | None = None) -> Measured:
+        """The verifier's measurement, once per distinct plan (searches revisit plans),
+        stopped ``within`` limits where given (one stopped at a limit is measured again
+        where it does not answer a later request)."""
         assert self.p.verify is not None
         signature = (candidate.prefetch, candidate.rebuild_saved, *(
             (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
@@ -138,18 +126,21 @@ class _Search:
              r.rebuild_in_tiles, r.stash,
              tuple(r.stash_norms) if r.stash_norms is not None else None)
             for r in candidate.regions))
-        if signature not in self.measured_plans:
-            self.measured_plans[signature] = self.p.verify(candidate)
-        return self.measured_plans[signature]
+        known = self.measured_plans.get(signature)
+        if known is None or not known.answers(within):
+            known = self.measured_plans[signature] = self.p.verify(candidate, within)
+        return known
 
-    def check(self, candidate: Plan) -> Plan:
-        """``candidate`` with its verified numbers filled in."""
-        m = self.measure(candidate)
+    def check(self, candidate: Plan, within: Limits | None = None) -> Plan:
+        """``candidate`` with its verified numbers filled in; measured only until it
+        passes one of the limits ``within``, if given (then its peak and extra FLOPs are
+        lower bounds: enough to reject it)."""
+        m = self.measure(candidate, within)
         if m.peak_bytes > self.budget and candidate.offloads:
             # NOTE [ Offload paths ]: without the prefetch the copies back are not hidden,
             # but the previous region's tensors are not held early either
             candidate.prefetch = False
-            late = self.measure(candidate)
+            late = self.measure(candidate, within)
             if late.peak_bytes < m.peak_bytes:
                 m = late
             else:
@@ -228,14 +219,21 @@ class _Search:
             norms = stage_norms(self.p.graph, self.stages)
             readers = stage_readers(self.p.graph, self.stages)
             offload = self.p.options.offload
-            tiled, tiled_smallest = first_fitting_layout(
-                layouts(self.p.graph, self.stages, ok, host=offload),
-                self.stages, self.p.options, self.p.header.host_budget_bytes, self.budget,
-                self.fresh, self.check,
-                extend=lambda layout, module: extend_layout(self.p.graph, self.stages, ok,
-                                                            layout, module),
-                # NOTE [ Tiling layouts ] rule 10: with offload, runs stash on the host
-                stash="host" if offload else None, readers=readers)
+
+            def first_fitting(smallest_only: bool) -> tuple[Plan | None, int]:
+                return first_fitting_layout(
+                    layouts(self.p.graph, self.stages, ok, host=offload),
+                    self.stages, self.p.options, self.p.header.host_budget_bytes,
+                    self.budget, self.fresh, self.check,
+                    extend=lambda layout, module: extend_layout(
+                        self.p.graph, self.stages, ok, layout, module),
+                    # NOTE [ Tiling layouts ] rule 10: with offload, runs stash on the host
+                    stash="host" if offload else None, readers=readers,
+                    smallest_only=smallest_only)
+
+            tiled, tiled_smallest = first_fitting(False)
+            if tiled is None:  # every layout stopped at the budget: the smallest, for the error
+                tiled, tiled_smallest = first_fitting(True)
             smallest = min(smallest, tiled_smallest)
             if tiled is not None:
                 saves = storing_saves(self.p.graph, self.stages, {

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from remat3d.decisions import SELECTIVE_POLICY, Decision, TiledOutput
 from remat3d.errors import TilingError
+from remat3d.planner.measured import Limits
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
 from remat3d.planner.tiling import Layout
@@ -22,6 +23,7 @@ from remat3d.units import format_bytes
 
 __all__ = [
     "at_least_as_frugal",
+    "beating",
     "extra_cost",
     "first_fitting_layout",
     "greedy_prune",
@@ -37,7 +39,22 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Check = Callable[[Plan], Plan]
+
+
+class Check(Protocol):
+    """The search's check: a candidate with its verified numbers filled in, measured only
+    until it passes one of the limits ``within`` where given (``_Search.check``)."""
+
+    def __call__(self, candidate: Plan, within: Limits | None = None) -> Plan: ...
+
+
+def beating(current: Plan, budget: int) -> Limits:
+    """Where a trial to replace ``current`` may stop being measured (NOTE [ Bounded
+    measurements ] in ``instrument/tracker.py``): once its peak passes ``budget`` or its
+    FLOPs pass ``current``'s, every trial's test here (and the search's) rejects it."""
+    total = None if current.step_flops is None else current.step_flops + extra_cost(current)
+    return Limits(budget, total)
+
 T = TypeVar("T")
 
 
@@ -161,11 +178,19 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                          fresh: Callable[[list[Region]], Plan], check: Check,
                          extend: Callable[[Layout, str | None], Layout | None] | None = None,
                          max_repairs: int = 3, stash: str | None = None,
-                         readers: list[set[int | None]] | None = None
-                         ) -> tuple[Plan | None, int]:
+                         readers: list[set[int | None]] | None = None,
+                         smallest_only: bool = False) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
     verified peak fits ``budget`` (and whose host memory fits ``host_budget``), and the
-    smallest verified peak among those tried that fit the host budget.
+    smallest verified peak among those measured whole that fit the host budget (1 << 62:
+    none was).
+
+    Each layout is measured only until its peak passes the budget (NOTE [ Bounded
+    measurements ] in ``instrument/tracker.py``: at 512³ most layouts pass it in their
+    forward, seconds before their step would end). ``smallest_only`` (the budget is known
+    to be out of reach: what the error names is the point): each is measured until its
+    peak passes the smallest measured whole so far, so the smallest is that of every
+    layout tried, found without measuring the larger ones to their end.
 
     Each layout tiles its stages and recomputes every other stage (``prune_tiled`` then
     keeps what still fits); layouts whose verified peak exceeds the budget are passed
@@ -174,7 +199,9 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     that keeps the most in host memory is, once. A layout whose peak lay in a stage it
     does not tile is repaired (rule 7): ``extend(layout, peak_module)`` is it with that
     stage tiled too, verified before the next group of layouts (up to ``max_repairs``
-    stages added, while the peak goes down). ``fresh(regions)`` makes a plan with the
+    stages added, while the peak goes down; a layout stopped at its limit names the
+    module where it passed it, and counts as going down when it passed its limit later
+    in the step: more FLOPs before it). ``fresh(regions)`` makes a plan with the
     search's header fields; ``stash`` and ``readers`` as ``layout_regions`` takes
     them."""
     ordered = list(candidates)
@@ -183,6 +210,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     over: dict[tuple, Plan] = {}             # layout -> its verified plan above the budget
     failed: list[Layout] = []                # verified above the budget
     pending: list[Layout] = []               # of those, the ones to repair (rule 7)
+    stopped: set[int] = set()                # of their plans, those stopped at a limit
 
     def verify(layout: Layout) -> Plan | None:
         key = _key(layout)
@@ -193,25 +221,43 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                                          readers))
         candidate.notes.append(f"tiling layout: {layout.label}")
         measured[key] = None
+        limit = (None if smallest == 1 << 62 else smallest) if smallest_only else budget
         try:
-            check(candidate)
+            check(candidate, None if limit is None else Limits(limit, None))
         except TilingError as exc:  # an op the probe did not see (shape-dependent code)
             log.info("tiling layout %s skipped: %s", layout.label, exc)
             return None
         peak = candidate.verified_peak_bytes or 0
         host = candidate.verified_host_bytes or 0
-        log.info("tiling layout %s: verified peak %s (in %s), host %s, extra %.3g FLOPs",
-                 layout.label, format_bytes(peak), candidate.verified_peak_module or "-",
-                 format_bytes(host), candidate.extra_flops or 0)
+        if limit is not None and peak > limit:  # stopped there: a lower bound
+            stopped.add(id(candidate))
+            log.info("tiling layout %s: passed %s in %s", layout.label, format_bytes(limit),
+                     candidate.verified_peak_module or "-")
+        else:
+            log.info("tiling layout %s: verified peak %s (in %s), host %s, extra %.3g "
+                     "FLOPs", layout.label, format_bytes(peak),
+                     candidate.verified_peak_module or "-", format_bytes(host),
+                     candidate.extra_flops or 0)
         if host_budget is not None and host > host_budget:
             return None
-        smallest = min(smallest, peak)
+        if id(candidate) not in stopped:
+            smallest = min(smallest, peak)
         if peak > budget:
             failed.append(layout)
             over[key] = candidate
             return None
         measured[key] = candidate
         return candidate
+
+    def went_down(below: Plan, missed: Plan) -> bool:
+        """Whether a repair (verified ``below``) lowered the peak of the layout it
+        repaired (verified ``missed``): both measured whole, or the repair whole and the
+        other stopped (at a limit no lower than the repair's); both stopped, whether the
+        repair passed its limit later in the step."""
+        if id(below) not in stopped:
+            return id(missed) in stopped or \
+                (below.verified_peak_bytes or 0) < (missed.verified_peak_bytes or 0)
+        return id(missed) in stopped and extra_cost(below) > extra_cost(missed)
 
     def passed_over(layout: Layout) -> bool:
         return any(at_least_as_frugal(f, layout) for f in failed)
@@ -230,8 +276,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                 if chosen is not None:
                     return chosen
                 below = over.get(_key(child))
-                if below is None or (below.verified_peak_bytes or 0) >= \
-                        (missed.verified_peak_bytes or 0):
+                if below is None or not went_down(below, missed):
                     break
                 parent, missed = child, below
         return None
@@ -335,7 +380,7 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
             return
         log.info("trying %s with its output stored on the device", region.label)
         yield check(_replaced(current, region, fuse=False, host=False, rebuild=False,
-                              hand_inputs=False))
+                              hand_inputs=False), beating(current, budget))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         if (candidate.verified_peak_bytes or 0) > budget:
@@ -385,7 +430,8 @@ def untile_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         log.info("trying %s run whole", region.label)
         whole = [Region(st.name, calls=[st.call_index])] if recompute else []
         regions = [w for r in current.regions for w in (whole if _same(r, region) else [r])]
-        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)))
+        yield check(dataclasses.replace(current, regions=regions, notes=list(current.notes)),
+                    beating(current, budget))
 
     cheaper = _fits_with_fewer_flops(budget)
 
@@ -441,7 +487,8 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
         if fits(region, current, max(sizes), sum(sizes) - max(sizes)):
             log.info("trying %s with its normalisation inputs stashed on the device",
                      region.label)
-            yield check(_replaced(current, region, stash="device", stash_norms=None))
+            yield check(_replaced(current, region, stash="device", stash_norms=None),
+                        beating(current, budget))
         else:
             log.info("%s: its normalisation inputs (%s) do not fit the room its passes "
                      "left; trying one", region.label, format_bytes(sum(sizes)))
@@ -458,7 +505,8 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
             tried += 1
             log.info("trying %s with normalisation %d's input stashed on the device",
                      region.label, j)
-            yield check(_replaced(current, region, stash="device", stash_norms=[j]))
+            yield check(_replaced(current, region, stash="device", stash_norms=[j]),
+                        beating(current, budget))
 
     cheaper = _fits_with_fewer_flops(budget)
 
@@ -481,7 +529,8 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
             if fits(now, current, inputs[j][0] + inputs[j2][0], held):
                 log.info("trying %s with normalisations %s's inputs stashed on the device",
                          region.label, pair)
-                yield check(_replaced(current, now, stash_norms=pair))
+                yield check(_replaced(current, now, stash_norms=pair),
+                            beating(current, budget))
                 return
 
     once = greedy_prune(best, steps, trials, cheaper)
@@ -544,7 +593,7 @@ def hand_rebuilt_inputs(best: Plan, budget: int, stages: StageModel, check: Chec
     def trials(step: tuple[Region, Stage], current: Plan) -> Iterator[Plan]:
         region, _ = step
         log.info("trying %s handing its rebuilt inputs to its own backward", region.label)
-        yield check(_replaced(current, region, hand_inputs=True))
+        yield check(_replaced(current, region, hand_inputs=True), beating(current, budget))
 
     cheaper = _fits_with_fewer_flops(budget)
 
@@ -584,7 +633,8 @@ def whole_rebuilds_where_room(best: Plan, budget: int, stages: StageModel, check
                      region.label, format_bytes(added))
             return
         log.info("trying %s rebuilding its rebuilt inputs whole", region.label)
-        yield check(_replaced(current, region, rebuild_in_tiles=False))
+        yield check(_replaced(current, region, rebuild_in_tiles=False),
+                    beating(current, budget))
 
     cheaper = _fits_with_fewer_flops(budget)
 
@@ -631,7 +681,8 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
             slack = budget - (current.verified_peak_bytes or 0)
             if st.kept(decision) - st.kept(RECOMPUTE) <= slack:
                 yield check(dataclasses.replace(current, regions=regions,
-                                                notes=list(current.notes)))
+                                                notes=list(current.notes)),
+                            beating(current, budget))
 
     def cheaper(candidate: Plan, current: Plan) -> bool:
         return (candidate.verified_peak_bytes or 0) <= budget and \
@@ -649,7 +700,7 @@ def prune_tiled(best: Plan, budget: int, stages: StageModel, check: Check) -> Pl
     if len(batch) >= 2:
         kept = check(dataclasses.replace(
             best, regions=[r for r in best.regions if all(r is not b for b in batch)],
-            notes=list(best.notes)))
+            notes=list(best.notes)), beating(best, budget))
         if cheaper(kept, best):
             best = kept
             steps = [(r, st) for r, st in steps if all(r is not b for b in batch)]
