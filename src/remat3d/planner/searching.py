@@ -58,8 +58,6 @@ __all__ = ["Limits", "Measured", "Problem", "Verifier", "decision_regions", "ext
 _ROUNDS = 8  # bisection steps per search
 
 
-
-
 @dataclass
 class Problem:
     """One planning problem: everything the search reads."""
