@@ -53,7 +53,7 @@ from remat3d.planner.tiling import (
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["Limits", "Measured", "Problem", "Verifier", "decision_regions", "extra_cost", "search"]
+__all__ = ["Problem", "decision_regions", "extra_cost", "search"]
 
 _ROUNDS = 8  # bisection steps per search
 

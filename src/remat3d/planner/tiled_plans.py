@@ -40,12 +40,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-
 class Check(Protocol):
     """The search's check: a candidate with its verified numbers filled in, measured only
     until it passes one of the limits ``within`` where given (``_Search.check``)."""
 
     def __call__(self, candidate: Plan, within: Limits | None = None) -> Plan: ...
+
+
+T = TypeVar("T")
+
+
+def extra_cost(p: Plan) -> int:
+    """Extra FLOPs of a verified plan (tiled plans: halos and passes too)."""
+    return p.extra_flops if p.extra_flops is not None else (p.recompute_flops or 0)
 
 
 def beating(current: Plan, budget: int) -> Limits:
@@ -54,13 +61,6 @@ def beating(current: Plan, budget: int) -> Limits:
     FLOPs pass ``current``'s, every trial's test here (and the search's) rejects it."""
     total = None if current.step_flops is None else current.step_flops + extra_cost(current)
     return Limits(budget, total)
-
-T = TypeVar("T")
-
-
-def extra_cost(p: Plan) -> int:
-    """Extra FLOPs of a verified plan (tiled plans: halos and passes too)."""
-    return p.extra_flops if p.extra_flops is not None else (p.recompute_flops or 0)
 
 
 def layout_regions(stages: StageModel, layout: Layout,
