@@ -4,6 +4,8 @@ it without capturing the step's graph."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -79,3 +81,34 @@ def test_under_the_convolution_floor_plan_tiles_without_capturing(monkeypatch) -
     assert uncaptured.verified_peak_bytes == captured.verified_peak_bytes
     assert "the backward of" in uncaptured.notes[-1], uncaptured.notes
     assert "every recompute set holds" in captured.notes[-1], captured.notes
+
+
+def test_an_infeasible_budget_skips_what_cannot_lower_its_smallest(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``planning.py`` NOTE [ Which plan optimal chooses ] rule 2: under the floor the
+    untiled searches and the graph's run only for the error's smallest peak; where tiling
+    reached below the floor they cannot lower it, so they do not run (nor is the graph
+    captured), and the later tiled search measures its layouts only until they pass the
+    earlier one's smallest. The error names the same smallest as with the floor unknown."""
+    torch.manual_seed(0)
+    net = ParentConcat("instance")  # its spans and its modules are searched
+    clear_plan_cache()
+    with monkeypatch.context() as patched:
+        patched.setattr(planning, "convolution_floor", lambda *args: Floor(0, ""))
+        patched.setattr(planning, "recompute_floor", lambda *args: Floor(0, ""))
+        with pytest.raises(InfeasibleBudgetError) as everything:
+            remat3d.plan(net, SHAPE, budget=1)
+    clear_plan_cache()
+
+    def no_capture(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the step's graph was captured")
+
+    monkeypatch.setattr(planning, "capture", no_capture)
+    with caplog.at_level(logging.INFO, logger="remat3d.planning"), \
+            pytest.raises(InfeasibleBudgetError) as skipping:
+        remat3d.plan(net, SHAPE, budget=1)
+    smallest = skipping.value.smallest_feasible_bytes
+    assert smallest == everything.value.smallest_feasible_bytes
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("module plans without tiling skipped") for m in messages)
+    verified = [m for m in messages if m.startswith("verifying a candidate plan")]
+    assert verified and all("tiled" in m for m in verified), verified  # none untiled

@@ -351,6 +351,46 @@ def _tiled_stages(tiled: list[Region]) -> tuple[int, ...]:
     return tuple(int(r.module[1]) for r in tiled)
 
 
+def test_the_smallest_is_sought_from_the_most_frugal_layout_and_below_a_known_one() -> None:
+    """For the error's smallest peak (``smallest_only``) the layouts go most frugal first
+    (the reverse of the cost order), so the first measured whole sets a low bar and the
+    rest are measured only until they pass it; ``below`` (the smallest another search
+    verified) is the bar from the start, and where nothing goes under it, none is."""
+
+    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
+                                for i in range(2)],
+                        base=0, glue_saved=[0, 0], pending=[0, 0], grads_after=[0, 0])
+    tile = ((4, 4, 4), "device")
+    # no layout dominates another (each tiles other stages), cost order
+    order = [Layout(depth=1, fuse="none", tile=4, tiled=dict.fromkeys(tiled, tile))
+             for tiled in ([0], [1], [0, 1])]
+    peaks = {(0,): 90, (1,): 70, (0, 1): 40}
+    seen: list[tuple[tuple[int, ...], int | None]] = []
+
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
+        key = _tiled_stages([r for r in plan.regions if r.decision == "tile"])
+        seen.append((key, None if within is None else within.peak_bytes))
+        return _measured(plan, peaks[key], within)
+
+    def fresh(regions: list[Region]) -> Plan:
+        return Plan(regions=regions)
+
+    chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 30,
+                                            fresh, check, smallest_only=True)
+    assert chosen is None and smallest == 40
+    assert seen == [((0, 1), None), ((1,), 40), ((0,), 40)]
+    seen.clear()
+    chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 30,
+                                            fresh, check, smallest_only=True, below=50)
+    assert chosen is None and smallest == 40
+    assert seen == [((0, 1), 50), ((1,), 40), ((0,), 40)]
+    seen.clear()
+    chosen, smallest = first_fitting_layout(order, stages, PlannerOptions(), None, 30,
+                                            fresh, check, smallest_only=True, below=35)
+    assert chosen is None and smallest == 1 << 62  # none went under it
+    assert seen == [((0, 1), 35), ((1,), 35), ((0,), 35)]
+
+
 def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     """Rule 7: a layout whose verified peak lay in a stage it does not tile gets that
     stage tiled too, verified before any layout of the next group (more levels); the

@@ -80,6 +80,11 @@ class Problem:
     # budget, ``optimal`` with tiling tries tiling first and measures untiled plans only
     # for the error's smallest peak
     untiled_floor: int = 0
+    # the smallest peak another search of the same step verified (``planning.py``: the
+    # spans' search before the modules'); what this one finds for the error matters only
+    # below it: its layouts are measured for the error only until they pass it, and its
+    # untiled plans not at all where the untiled floor is at or above it
+    known_smallest: int = 1 << 62
 
 
 def search(problem: Problem) -> Plan:
@@ -227,7 +232,7 @@ class _Search:
                         self.p.graph, self.stages, ok, layout, module),
                     # NOTE [ Tiling layouts ] rule 10: with offload, runs stash on the host
                     stash="host" if offload else None, readers=readers,
-                    smallest_only=smallest_only)
+                    smallest_only=smallest_only, below=self.p.known_smallest)
 
             tiled, tiled_smallest = first_fitting(False)
             if tiled is None:  # every layout stopped at the budget: the smallest, for the error
@@ -249,9 +254,11 @@ class _Search:
                 tiled = hand_rebuilt_inputs(tiled, self.budget, self.stages, self.check,
                                             readers)
                 return prune_tiled(tiled, self.budget, self.stages, self.check)
-            if not untiled:  # below the untiled floor: their smallest, for the error only
+            if not untiled and self.p.untiled_floor < min(smallest, self.p.known_smallest):
+                # below the untiled floor: their smallest, for the error only, where it
+                # may be the lowest
                 smallest = min(smallest, self.smallest_feasible())
-        raise self.infeasible(smallest)
+        raise self.infeasible(min(smallest, self.p.known_smallest))
 
     def infeasible(self, smallest: int) -> InfeasibleBudgetError:
         h, offload = self.p.header, self.p.options.offload

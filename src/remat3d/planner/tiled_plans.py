@@ -179,7 +179,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                          extend: Callable[[Layout, str | None], Layout | None] | None = None,
                          max_repairs: int = 3, stash: str | None = None,
                          readers: list[set[int | None]] | None = None,
-                         smallest_only: bool = False) -> tuple[Plan | None, int]:
+                         smallest_only: bool = False, below: int = 1 << 62
+                         ) -> tuple[Plan | None, int]:
     """The first tiling layout (cheapest expected first, NOTE [ Tiling layouts ]) whose
     verified peak fits ``budget`` (and whose host memory fits ``host_budget``), and the
     smallest verified peak among those measured whole that fit the host budget (1 << 62:
@@ -189,8 +190,10 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     measurements ] in ``instrument/tracker.py``: at 512³ most layouts pass it in their
     forward, seconds before their step would end). ``smallest_only`` (the budget is known
     to be out of reach: what the error names is the point): each is measured until its
-    peak passes the smallest measured whole so far, so the smallest is that of every
-    layout tried, found without measuring the larger ones to their end.
+    peak passes the smallest measured whole so far (or ``below``, the smallest another
+    search verified, where lower), so the smallest is that of every layout tried, found
+    without measuring the larger ones to their end (1 << 62 where none went below
+    ``below``).
 
     Each layout tiles its stages and recomputes every other stage (``prune_tiled`` then
     keeps what still fits); layouts whose verified peak exceeds the budget are passed
@@ -221,7 +224,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                                          readers))
         candidate.notes.append(f"tiling layout: {layout.label}")
         measured[key] = None
-        limit = (None if smallest == 1 << 62 else smallest) if smallest_only else budget
+        bar = min(smallest, below)
+        limit = (None if bar == 1 << 62 else bar) if smallest_only else budget
         try:
             check(candidate, None if limit is None else Limits(limit, None))
         except TilingError as exc:  # an op the probe did not see (shape-dependent code)
@@ -310,8 +314,9 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         pending.append(layout)
         pending.sort(key=_group)
 
-    for layout in ordered:
-        repaired = repair(_group(layout))
+    for layout in (reversed(ordered) if smallest_only else ordered):
+        # smallest_only: the most frugal first, repaired at once, so the bar is low early
+        repaired = repair(None if smallest_only else _group(layout))
         if repaired is not None:
             return repaired, smallest
         if passed_over(layout):
