@@ -14,7 +14,7 @@ import pytest
 
 from remat3d.errors import InfeasibleBudgetError, Remat3dError
 from remat3d.graph import CostGraph
-from remat3d.planner.measured import Measured
+from remat3d.planner.measured import Limits, Measured
 from remat3d.planner.registry import PlannerOptions, get_strategy
 from remat3d.planner.searching import Problem, decision_regions, search
 from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, StageModel
@@ -157,3 +157,31 @@ def test_fixed_strategies_return_their_plan_and_unknown_names_are_refused():
     assert plan.strategy == "manual"  # the header's: the caller names the strategy there
     with pytest.raises(Remat3dError, match="Unknown strategy"):
         search(_problem(model, 1, strategy="nope", verify=fake_verifier(model)))
+
+
+def test_pruning_trials_are_measured_only_until_they_pass_the_budget():
+    """NOTE [ Bounded measurements ]: a pruning trial whose peak passes the budget is
+    rejected, so its measurement stops there; the plan chosen is the one measuring every
+    trial whole gives."""
+    model = random_model(random.Random(7), 6)
+    model.unplanned_peak = model.peak([KEEP] * 6)
+    inner = fake_verifier(model)
+    asked: list[Limits | None] = []
+
+    def bounded(plan: Plan, within: Limits | None = None) -> Measured:
+        m = inner(plan)
+        asked.append(within)
+        if within is not None and within.peak_bytes is not None \
+                and m.peak_bytes > within.peak_bytes:
+            return Measured(within.peak_bytes + 1, 0, 0, 0, complete=False)
+        return m
+
+    with pytest.raises(InfeasibleBudgetError) as info:
+        search(_problem(model, 1, verify=inner))
+    budget = (info.value.smallest_feasible_bytes + model.unplanned_peak) // 2
+    whole = search(_problem(model, budget, verify=lambda plan, within=None: inner(plan)))
+    chosen = search(_problem(model, budget, verify=bounded))
+    assert chosen.regions == whole.regions
+    assert chosen.verified_peak_bytes == whole.verified_peak_bytes <= budget
+    stopped = [w for w in asked if w is not None]
+    assert stopped and all(w.peak_bytes == budget for w in stopped)

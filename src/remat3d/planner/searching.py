@@ -156,11 +156,13 @@ class _Search:
         candidate.step_flops = self.p.step_flops
         return candidate
 
-    def build(self, result: Decisions) -> Plan:
+    def build(self, result: Decisions, within: Limits | None = None) -> Plan:
+        """``result`` as a plan, verified (only until it passes the limits ``within``)
+        where the search verifies."""
         candidate = self.fresh(regions=decision_regions(self.stages, result),
                                predicted_peak_bytes=self.stages.peak(result.decisions))
         if self.p.verify is not None:
-            return self.check(candidate)
+            return self.check(candidate, within)
         candidate.recompute_flops = self.stages.recompute_flops(result.decisions)
         return candidate
 
@@ -392,8 +394,10 @@ class _Search:
         needed. Each region is first dropped, else downgraded from a full recompute to a
         selective one (keeping its convolution outputs); a step is taken only if the
         verified peak still fits and the recomputed FLOPs do not grow. Regions on
-        containers and segments (nested plans) stay.
+        containers and segments (nested plans) stay. A trial is measured only until its
+        peak passes the budget (NOTE [ Bounded measurements ]: it is rejected then).
         """
+        within = Limits(self.budget, None)
         by_name = {(st.name, st.call_index): st for st in self.stages.stages}
         decisions = self._parse(best, by_name)[0]
         order = sorted(decisions, key=lambda k: -by_name[k].fwd_flops
@@ -408,7 +412,7 @@ class _Search:
                 if trial is not None:
                     yield self.build(Decisions(
                         [trial.get((st.name, st.call_index), KEEP) for st in self.stages.stages],
-                        containers=containers, segments=segments))
+                        containers=containers, segments=segments), within)
 
         def cheaper(candidate: Plan, current: Plan) -> bool:
             return self.fits(candidate) and \
