@@ -425,6 +425,36 @@ def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:
     assert verified == [(0,), (0, 1, 2)]
 
 
+def test_a_miss_that_passed_its_limit_outside_every_stage_is_measured_whole() -> None:
+    """Rule 7 after a bounded measurement (NOTE [ Bounded measurements ]): a layout stopped
+    where its peak passed the budget names the module it passed it in; where that was
+    outside every stage (the parent's own ops, the loss), the repair has nothing to add,
+    so the layout is measured whole once to find the stage at its peak."""
+    tile = ((4, 4, 4), "device")
+
+    def lay(tiled: set[int], added: tuple[str, ...] = ()) -> Layout:
+        return Layout(depth=1, fuse="none", tile=4,
+                      tiled=dict.fromkeys(sorted(tiled), tile), added=added)
+
+    peaks = {(0,): (80, "s1.conv"), (0, 1): (45, "s2.conv")}
+    table = _TableVerifier(3, peaks, _tiled_stages, lambda like, tiled, added: lay(tiled, added))
+    limits: list[int | None] = []
+    inner = table.check
+
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
+        inner(plan, within)
+        limits.append(None if within is None else within.peak_bytes)
+        if within is not None and within.peak_bytes is not None \
+                and (plan.verified_peak_bytes or 0) > within.peak_bytes:
+            plan.verified_peak_module = None  # it passed the limit in the parent's ops
+        return plan
+
+    table.check = check  # type: ignore[method-assign]
+    chosen = table.first_fitting([lay({0})], 50)
+    assert chosen is not None and "levels < 1 + s1" in chosen.notes[0]
+    assert table.verified == [(0,), (0,), (0, 1)] and limits == [50, None, 50]
+
+
 def test_the_fine_tile_is_a_second_sweep_before_full_fusion() -> None:
     """Rule 5: by default a half and a quarter of the volume's shortest edge, then the
     same order again with an eighth, for budgets the larger tiles cannot reach: the

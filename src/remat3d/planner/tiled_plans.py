@@ -203,8 +203,9 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     does not tile is repaired (rule 7): ``extend(layout, peak_module)`` is it with that
     stage tiled too, verified before the next group of layouts (up to ``max_repairs``
     stages added, while the peak goes down; a layout stopped at its limit names the
-    module where it passed it, and counts as going down when it passed its limit later
-    in the step: more FLOPs before it). ``fresh(regions)`` makes a plan with the
+    module where it passed it, or, passed outside every stage, is measured whole to find
+    its peak's; it counts as going down when it passed its limit later in the step: more
+    FLOPs before it). ``fresh(regions)`` makes a plan with the
     search's header fields; ``stash`` and ``readers`` as ``layout_regions`` takes
     them."""
     ordered = list(candidates)
@@ -215,9 +216,10 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     pending: list[Layout] = []               # of those, the ones to repair (rule 7)
     stopped: set[int] = set()                # of their plans, those stopped at a limit
 
-    def verify(layout: Layout) -> Plan | None:
+    def verify(layout: Layout, whole: bool = False) -> Plan | None:
+        """``layout`` verified (``whole``: again, without a limit), None unless it fits."""
         key = _key(layout)
-        if key in measured:
+        if key in measured and not whole:
             return measured[key]
         nonlocal smallest
         candidate = fresh(layout_regions(stages, layout, options.recomputable, stash,
@@ -225,7 +227,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         candidate.notes.append(f"tiling layout: {layout.label}")
         measured[key] = None
         bar = min(smallest, below)
-        limit = (None if bar == 1 << 62 else bar) if smallest_only else budget
+        limit = None if whole else (None if bar == 1 << 62 else bar) if smallest_only \
+            else budget
         try:
             check(candidate, None if limit is None else Limits(limit, None))
         except TilingError as exc:  # an op the probe did not see (shape-dependent code)
@@ -247,7 +250,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         if id(candidate) not in stopped:
             smallest = min(smallest, peak)
         if peak > budget:
-            failed.append(layout)
+            if key not in over:
+                failed.append(layout)
             over[key] = candidate
             return None
         measured[key] = candidate
@@ -273,6 +277,13 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
             missed = over[_key(parent)]  # the parent's verified plan, above the budget
             for _ in range(max_repairs):
                 assert extend is not None
+                if not missed.verified_peak_module and id(missed) in stopped:
+                    # it passed its limit outside every stage: where its peak lies is
+                    # what the repair needs, so it is measured whole
+                    chosen = verify(parent, whole=True)
+                    if chosen is not None:
+                        return chosen
+                    missed = over.get(_key(parent), missed)
                 child = extend(parent, missed.verified_peak_module)
                 if child is None or _key(child) in measured or passed_over(child):
                     break
