@@ -48,7 +48,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import logging
 import warnings
 import weakref
@@ -413,15 +412,6 @@ class _Attempt:
         verifier, tileable = _torch_side(self.model, self.examples, self.amp, self.loss_fn,
                                          stages, self.probed)
 
-        def remembered(candidate: Plan, within: Limits | None = None) -> Measured:
-            key = json.dumps([dataclasses.asdict(r) for r in candidate.regions]
-                             + [candidate.offload_min_bytes, candidate.prefetch,
-                                candidate.rebuild_saved], sort_keys=True)
-            known = self.measured.get(key)
-            if known is None or not known.answers(within):
-                known = self.measured[key] = verifier(candidate, within)
-            return known
-
         # the candidates' tiled runs are mostly the same: their tiles are booked, not
         # run, from one candidate to the next (NOTE [ Repeats on meta ] rule 5)
         with shared_repeats():
@@ -429,9 +419,10 @@ class _Attempt:
                 stages=stages, graph=graph, budget=budget, strategy=strategy,
                 options=PlannerOptions(offload=offload), header=self.header,
                 step_flops=graph.forward_flops + graph.backward_flops,
-                unplanned_peak=self.prof.peak_bytes, verify=remembered if verify else None,
+                unplanned_peak=self.prof.peak_bytes, verify=verifier if verify else None,
                 tileable=tileable if tiled else None,
-                untiled_floor=untiled_floor if tiled else 0, known_smallest=known_smallest))
+                untiled_floor=untiled_floor if tiled else 0, known_smallest=known_smallest,
+                measured=self.measured))
 
 
 def _cached(key: tuple, chosen: Plan) -> Plan:

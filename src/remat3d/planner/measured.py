@@ -6,13 +6,15 @@ tracker) and the pure search (``searching.py``, ``tiled_plans.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
 from remat3d.planspec import Plan
 
-__all__ = ["Limits", "Measured", "Verifier"]
+__all__ = ["Limits", "Measured", "Verifier", "signature"]
 
 
 class Measured(NamedTuple):
@@ -50,3 +52,12 @@ class Limits(NamedTuple):
 
 # a candidate and where its measurement may stop (None: measure it whole)
 Verifier = Callable[[Plan, Limits | None], Measured]
+
+
+def signature(plan: Plan) -> str:
+    """What a measurement of ``plan`` depends on, as a key (searches revisit plans, and
+    each distinct one is measured once): every field of its regions and the plan-wide
+    settings the runtime reads."""
+    return json.dumps([dataclasses.asdict(r) for r in plan.regions]
+                      + [plan.offload_min_bytes, plan.prefetch, plan.rebuild_saved],
+                      sort_keys=True)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from remat3d.decisions import SELECTIVE_POLICY, Decision
 from remat3d.errors import InfeasibleBudgetError
 from remat3d.graph import CostGraph
-from remat3d.planner.measured import Limits, Measured, Verifier
+from remat3d.planner.measured import Limits, Measured, Verifier, signature
 from remat3d.planner.optimal import min_peak
 from remat3d.planner.registry import Decisions, Infeasible, PlannerOptions, get_strategy
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
@@ -85,6 +85,10 @@ class Problem:
     # below it: its layouts are measured for the error only until they pass it, and its
     # untiled plans not at all where the untiled floor is at or above it
     known_smallest: int = 1 << 62
+    # the verifier's measurements by plan ``signature``: given, shared with the other
+    # searches of the same step (``planning.py``: the tiled phase does not measure again
+    # what the untiled one did)
+    measured: dict[str, Measured] = field(default_factory=dict)
 
 
 def search(problem: Problem) -> Plan:
@@ -115,7 +119,6 @@ class _Search:
         self.stages = problem.stages
         self.budget = problem.budget
         self.solver = get_strategy(problem.strategy)
-        self.measured_plans: dict[tuple, Measured] = {}
 
     # -- one candidate --------------------------------------------------------------
     def measure(self, candidate: Plan, within: Limits | None = None) -> Measured:
@@ -123,15 +126,10 @@ class _Search:
         stopped ``within`` limits where given (one stopped at a limit is measured again
         where it does not answer a later request)."""
         assert self.p.verify is not None
-        signature = (candidate.prefetch, candidate.rebuild_saved, *(
-            (r.module, tuple(r.calls or ()), tuple(r.segment or ()), r.decision,
-             str(r.policy), tuple(r.tile or ()), r.fuse, r.host, r.rebuild, r.hand_inputs,
-             r.rebuild_in_tiles, r.stash,
-             tuple(r.stash_norms) if r.stash_norms is not None else None)
-            for r in candidate.regions))
-        known = self.measured_plans.get(signature)
+        key = signature(candidate)
+        known = self.p.measured.get(key)
         if known is None or not known.answers(within):
-            known = self.measured_plans[signature] = self.p.verify(candidate, within)
+            known = self.p.measured[key] = self.p.verify(candidate, within)
         return known
 
     def check(self, candidate: Plan, within: Limits | None = None) -> Plan:
