@@ -194,3 +194,41 @@ def test_ddp_around_a_compiled_graph_plan_equals_one_accumulating_process(tmp_pa
     assert single.keys() == ddp.keys()
     for name, grad in single.items():
         assert torch.equal(ddp[name], grad), name
+
+
+def test_compile_options_are_inductors_config_while_the_graphs_compile(
+        compiled_plan, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``runtime/inductor.py`` NOTE rule 5: a caller's ``torch.compile`` mode and options
+    are inductor's config while the plan's graphs compile, and only then."""
+    from torch._inductor import compile_fx, config
+
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def record(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((config.max_autotune, config.coordinate_descent_tuning,
+                     config.epilogue_fusion))
+        raise RuntimeError("recorded")  # (the step then runs op by op, with a warning)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", record)
+    model = remat3d.apply(_net(), compiled_plan, compile_options={
+        "mode": "max-autotune-no-cudagraphs", "options": {"epilogue_fusion": False}})
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        _grads(model, torch.randn(X))
+    assert seen == [(True, True, False)]
+    assert not config.max_autotune and config.epilogue_fusion  # as they were
+
+
+def test_compile_options_that_cannot_hold_are_refused_by_name(compiled_plan) -> None:  # type: ignore[no-untyped-def]
+    for options, match in (({"mode": "fastest"}, "'fastest'.*'max-autotune-no-cudagraphs'"),
+                           ({"options": {"max_autotuning": True}}, "'max_autotuning'"),
+                           ({"dynamic": True}, "'mode' and 'options'.*'dynamic'"),
+                           ({"mode": "reduce-overhead"}, "CUDA graphs.*no-cudagraphs"),
+                           ({"options": {"triton.cudagraphs": True}}, "CUDA graphs")):
+        with pytest.raises(PlanError, match=match):
+            remat3d.apply(_net(), compiled_plan, compile_options=options)
+    eager = dataclasses.replace(compiled_plan, graph_backend="eager")
+    with pytest.raises(PlanError, match="compiled=True"):
+        remat3d.apply(_net(), eager, compile_options={"mode": "default"})
+    module_plan = Plan(regions=[remat3d.Region("enc")])
+    with pytest.raises(PlanError, match="your own torch.compile"):
+        remat3d.apply(_net(), module_plan, compile_options={"mode": "default"})

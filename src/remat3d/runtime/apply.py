@@ -22,7 +22,7 @@ import difflib
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +86,13 @@ def is_applied(model: nn.Module) -> bool:
     return applied_state(model) is not None or graph_plan_of(model) is not None
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
+def apply(model: nn.Module, plan: Plan,
+          compile_options: Mapping[str, Any] | None = None) -> nn.Module:
     """Install ``plan`` on ``model`` (in place) and return the same model object.
+
+    ``compile_options`` (a plan made with ``compiled=True`` only): ``mode`` and
+    ``options`` as ``torch.compile`` takes them, for the plan's graphs that inductor
+    compiles (``runtime/inductor.py`` NOTE rule 5; CUDA graphs are refused).
 
     >>> import torch, remat3d
     >>> net = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3), torch.nn.ReLU())
@@ -115,7 +120,12 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     if plan.graph_recompute is not None:  # runtime/graph_run.py
         return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None,
                                 amp=plan.amp, digest=plan.graph_digest,
-                                twice=plan.graph_twice, backend=plan.graph_backend)
+                                twice=plan.graph_twice, backend=plan.graph_backend,
+                                compile_options=compile_options)
+    if compile_options:
+        raise PlanError("compile_options are for a graph plan made with compiled=True "
+                        "(remat3d compiles its graphs); this module plan runs under your "
+                        "own torch.compile, with the options you give it there.")
     spans = install_spans(model, plan.spans) if plan.spans else {}  # runtime/spans.py
     try:
         modules = {**dict(model.named_modules()), **spans}

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,12 @@ from remat3d.errors import CaptureError, PlanError, Remat3dError, quoted
 from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
 from remat3d.planspec import GRAPH_BACKENDS
-from remat3d.runtime.inductor import InductorFailure, compiler_for, inductor_lowering
+from remat3d.runtime.inductor import (
+    InductorFailure,
+    compiler_for,
+    inductor_lowering,
+    inductor_settings,
+)
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "mark_recomputation",
            "measure_applied_graph_plan", "measure_graph_plan", "remove_graph_plan",
@@ -247,8 +252,10 @@ def _signature(args: tuple, model: nn.Module) -> tuple:
 class _GraphPlan:
     def __init__(self, model: nn.Module, recompute: Iterable[str],
                  input_shapes: list[list[int]] | None, amp: str | None,
-                 digest: str | None, twice: Iterable[str], backend: str) -> None:
+                 digest: str | None, twice: Iterable[str], backend: str,
+                 settings: dict[str, Any] | None = None) -> None:
         self.recompute = sorted(set(recompute))
+        self.settings = settings or {}  # inductor's config (runtime/inductor.py rule 5)
         self.twice = sorted(set(twice))
         self.amp = amp_dtype(amp)
         self.backend = backend
@@ -261,7 +268,7 @@ class _GraphPlan:
 
     def _step(self) -> Any:
         return aot_step(self.model, tagged_partition(self.recompute, self.digest, self.twice),
-                        self.amp, compiler_for(self.backend))
+                        self.amp, compiler_for(self.backend, self.settings))
 
     def _trace_or_run_eagerly(self, args: tuple) -> None:
         """Trace (rule 7); a step inductor fails to compile runs its graphs op by op
@@ -317,7 +324,8 @@ class _GraphPlan:
         if not torch.is_grad_enabled():  # NOTE rule 4: nothing saved, nothing to plan
             if self.backend == "inductor":  # rule 8: compiled, as the plan's steps are
                 if self._inference is None:
-                    self._inference = torch.compile(type(self.model).forward)
+                    self._inference = torch.compile(type(self.model).forward,
+                                                    options=self.settings or None)
                 return self._inference(self.model, *args, **kwargs)
             return type(self.model).forward(self.model, *args, **kwargs)
         if kwargs:
@@ -354,7 +362,8 @@ class _GraphPlan:
 def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
                      input_shapes: list[list[int]] | None = None, amp: str | None = None,
                      digest: str | None = None, twice: Iterable[str] = (),
-                     backend: str = "eager") -> nn.Module:
+                     backend: str = "eager",
+                     compile_options: Mapping[str, Any] | None = None) -> nn.Module:
     """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
     (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
     the planner gives), for inputs of ``input_shapes`` (None: the first call's), the
@@ -362,14 +371,20 @@ def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
     ``digest`` (None: not checked); those of ``twice`` (a subset of ``recompute``) are
     recomputed a second time for their late readers. ``backend``: the graphs run op by
     op (``"eager"``) or compiled by inductor (``"inductor"``, ``runtime/inductor.py``;
-    rule 8). Returns the same model object."""
+    rule 8), with ``compile_options`` (``mode``, ``options``, as ``torch.compile`` takes
+    them; inductor only: ``runtime/inductor.py`` NOTE rule 5). Returns the same model
+    object."""
     if graph_plan_of(model) is not None:
         raise PlanError(f"{type(model).__name__} already runs a graph plan; "
                         "remove it first (remat3d.runtime.graph_run.remove_graph_plan).")
     if backend not in GRAPH_BACKENDS:
         raise PlanError(f"A graph plan runs its graphs with one of {GRAPH_BACKENDS}, not "
                         f"{backend!r}.")
-    plan = _GraphPlan(model, recompute, input_shapes, amp, digest, twice, backend)
+    if compile_options and backend != "inductor":
+        raise PlanError("compile_options are for a plan whose graphs inductor compiles "
+                        "(made with compiled=True); this plan runs its graphs op by op.")
+    settings = inductor_settings(compile_options) if backend == "inductor" else None
+    plan = _GraphPlan(model, recompute, input_shapes, amp, digest, twice, backend, settings)
     # compiled by remat3d already, an inductor plan is left out of dynamo's trace of a
     # torch.compile around the model (rule 8)
     model.forward = (plan if backend == "eager"  # type: ignore[method-assign]

@@ -21,7 +21,15 @@ NOTE [ Graph plans compiled by inductor ]
   4. On fake tensors (the tracing call; ``remat3d.measure`` on "meta") a graph runs op by
      op as an eager plan's does; inductor's code runs on real tensors only (its kernels
      read and write memory a fake tensor does not have).
-  5. What is not promised: inductor's kernels are not eager's, so gradients equal the
+  5. A caller's ``torch.compile`` settings (``remat3d.apply(model, plan,
+     compile_options={"mode": ..., "options": {...}})``, the names ``torch.compile``
+     takes) are inductor's config while both graphs compile, and ``torch.compile``'s for
+     a call without grad (rule 8 of ``graph_run.py``); an unknown mode or option is one
+     :class:`~remat3d.errors.PlanError` naming where the known ones are listed. CUDA
+     graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``) are refused:
+     their memory pool keeps every graph's buffers, which no plan counts;
+     ``max-autotune-no-cudagraphs`` is the autotuning alone.
+  6. What is not promised: inductor's kernels are not eager's, so gradients equal the
      compiled unplanned model's within torch.compile's own tolerance (not eager's bits);
      the verified peak is the eager graph run's, and the compiled step's is measured
      (``python -m remat3d.bench.compile_check --graph``), not verified. Recomputed
@@ -32,16 +40,18 @@ NOTE [ Graph plans compiled by inductor ]
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import fx
 
 from remat3d.capture.joint import run_eagerly
+from remat3d.errors import PlanError
 from remat3d.planspec import GRAPH_BACKENDS
 
-__all__ = ["InductorFailure", "compiler_for", "inductor_lowering"]
+__all__ = ["InductorFailure", "compiler_for", "inductor_lowering", "inductor_settings"]
 
 
 class InductorFailure(Exception):
@@ -71,19 +81,56 @@ def _keep_output_layouts(gm: fx.GraphModule) -> None:
         i for i, v in enumerate(values) if isinstance(v, fx.Node)]
 
 
-def inductor_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable:
-    """A boxed callable running ``gm`` compiled by inductor on real tensors and op by op
-    on fake ones (NOTE rules 1, 2 and 4)."""
+def inductor_settings(compile_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Inductor's config for ``compile_options`` (``mode`` and ``options``, as
+    ``torch.compile`` takes them; NOTE rule 5), checked."""
+    from torch._inductor import list_mode_options, list_options
+
+    given = dict(compile_options or {})
+    unknown = sorted(set(given) - {"mode", "options"})
+    if unknown:
+        raise PlanError(f"compile_options takes 'mode' and 'options', as torch.compile "
+                        f"does; got {unknown}.")
+    settings: dict[str, Any] = {}
+    mode = given.get("mode")
+    if mode is not None:
+        modes = list_mode_options()
+        if mode not in modes:
+            raise PlanError(f"Unknown compile mode {mode!r}; torch.compile's modes are "
+                            f"{sorted(modes)}.")
+        settings.update(list_mode_options(mode))
+    options = dict(given.get("options") or {})
+    known = set(list_options())
+    wrong = sorted(k for k in options if k not in known)
+    if wrong:
+        raise PlanError(f"Unknown inductor option(s) {wrong}; "
+                        "torch._inductor.list_options() lists them.")
+    settings.update(options)
+    if settings.get("triton.cudagraphs"):
+        raise PlanError("CUDA graphs keep every compiled graph's buffers in their own "
+                        "memory pool, which the plan's verified peak does not count: use "
+                        "mode='max-autotune-no-cudagraphs' (the autotuning alone) or "
+                        "leave 'triton.cudagraphs' off.")
+    return settings
+
+
+def inductor_compiler(gm: fx.GraphModule, example_inputs: list,
+                      settings: Mapping[str, Any] | None = None) -> Callable:
+    """A boxed callable running ``gm`` compiled by inductor (its config patched with
+    ``settings``, NOTE rule 5) on real tensors and op by op on fake ones (NOTE rules 1, 2
+    and 4)."""
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._subclasses.fake_tensor import FakeTensor
 
     is_backward = any(n.op == "placeholder" and n.name.startswith("tangents")
                       for n in gm.graph.nodes)
     try:
-        decomposed = _decomposed(gm, list(example_inputs))
-        _keep_output_layouts(decomposed)
-        compiled = compile_fx_inner(decomposed, list(example_inputs),
-                                    is_backward=is_backward)
+        with config.patch(dict(settings or {})):
+            decomposed = _decomposed(gm, list(example_inputs))
+            _keep_output_layouts(decomposed)
+            compiled = compile_fx_inner(decomposed, list(example_inputs),
+                                        is_backward=is_backward)
     except Exception as exc:  # whatever inductor raises: the caller falls back, by name
         raise InductorFailure(f"{type(exc).__name__}: {exc}") from exc
     eager = run_eagerly(gm, example_inputs)
@@ -97,10 +144,12 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs: list) -> Callable:
     return run
 
 
-def compiler_for(backend: str) -> Callable[[fx.GraphModule, list], Callable]:
-    """The graph compiler of ``backend`` (one of ``GRAPH_BACKENDS``)."""
+def compiler_for(backend: str, settings: Mapping[str, Any] | None = None
+                 ) -> Callable[[fx.GraphModule, list], Callable]:
+    """The graph compiler of ``backend`` (one of ``GRAPH_BACKENDS``); ``settings``:
+    inductor's config while it compiles (``inductor_settings``)."""
     if backend == "inductor":
-        return inductor_compiler
+        return functools.partial(inductor_compiler, settings=settings)
     if backend == "eager":
         return run_eagerly
     raise ValueError(f"unknown graph backend {backend!r}; one of {GRAPH_BACKENDS}")
