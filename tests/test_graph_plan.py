@@ -9,6 +9,7 @@ import torch
 
 import remat3d
 from remat3d.errors import InfeasibleBudgetError, PlanError
+from remat3d.units import format_bytes
 from tests.capture.nets import ParentConcat
 from tests.runtime.exactness import train_step
 
@@ -203,6 +204,12 @@ def test_an_infeasible_error_names_the_lower_of_graph_and_module_smallest_peaks(
         remat3d.plan(model, SHAPE, budget=1, tile=False)
     assert err.value.smallest_feasible_bytes == smallest[True]
     assert remat3d.plan(model, SHAPE, budget=smallest[True], tile=False).graph_recompute
+    # a budget above the recompute floor, so the graph is searched first (and misses):
+    # the module search's error still names its own smallest beside the graph's
+    with pytest.raises(InfeasibleBudgetError, match="A graph plan reaches") as err:
+        remat3d.plan(model, SHAPE, budget=smallest[True] - 1, tile=False)
+    assert err.value.smallest_feasible_bytes == smallest[True]
+    assert f"budget is {format_bytes(smallest[False])}" in str(err.value)
 
 
 def test_optimal_on_a_step_that_cannot_be_traced_plans_its_modules_without_a_warning():

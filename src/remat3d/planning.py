@@ -345,8 +345,9 @@ def plan(
     deferred = [(a, t) for a, t in order if t or below_floor is None] + \
         [(a, t) for a, t in order if not t and below_floor is not None]
     for attempt, tiled in deferred:
-        known = min([e.smallest_feasible_bytes for e in failures]
-                    + ([] if graph_smallest is None else [graph_smallest]), default=1 << 62)
+        # what an earlier module search verified (the graph's smallest stays the graph's:
+        # the error names it as a graph plan's)
+        known = min((e.smallest_feasible_bytes for e in failures), default=1 << 62)
         if not tiled and below_floor is not None and known <= untiled_floor:
             # NOTE rule 2: run for the error's smallest peak, which they cannot lower
             logger.info("module plans%s without tiling skipped: none peaks below %s",

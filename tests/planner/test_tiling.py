@@ -453,6 +453,14 @@ def test_a_miss_that_passed_its_limit_outside_every_stage_is_measured_whole() ->
     chosen = table.first_fitting([lay({0})], 50)
     assert chosen is not None and "levels < 1 + s1" in chosen.notes[0]
     assert table.verified == [(0,), (0,), (0, 1)] and limits == [50, None, 50]
+    # the repair misses too, stopped outside every stage again, later in the step than
+    # its parent (it went down): it is measured whole, and repaired in turn
+    peaks[(0, 1, 2)] = (25, "s0.conv")
+    limits.clear()
+    chosen = table.first_fitting([lay({0})], 30)
+    assert chosen is not None and "levels < 1 + s1 + s2" in chosen.notes[0]
+    assert table.verified == [(0,), (0,), (0, 1), (0, 1), (0, 1, 2)]
+    assert limits == [30, None, 30, None, 30]
 
 
 def test_the_fine_tile_is_a_second_sweep_before_full_fusion() -> None:

@@ -216,6 +216,18 @@ def test_compile_options_are_inductors_config_while_the_graphs_compile(
         _grads(model, torch.randn(X))
     assert seen == [(True, True, False)]
     assert not config.max_autotune and config.epilogue_fusion  # as they were
+    # CUDA graphs stay off whatever the process's config says
+    seen_graphs: list[bool] = []
+
+    def record_graphs(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen_graphs.append(config.triton.cudagraphs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", record_graphs)
+    monkeypatch.setattr(config.triton, "cudagraphs", True)
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        _grads(remat3d.apply(_net(), compiled_plan), torch.randn(X))
+    assert seen_graphs == [False]
 
 
 def test_compile_options_that_cannot_hold_are_refused_by_name(compiled_plan) -> None:  # type: ignore[no-untyped-def]
@@ -223,7 +235,8 @@ def test_compile_options_that_cannot_hold_are_refused_by_name(compiled_plan) -> 
                            ({"options": {"max_autotuning": True}}, "'max_autotuning'"),
                            ({"dynamic": True}, "'mode' and 'options'.*'dynamic'"),
                            ({"mode": "reduce-overhead"}, "CUDA graphs.*no-cudagraphs"),
-                           ({"options": {"triton.cudagraphs": True}}, "CUDA graphs")):
+                           ({"options": {"triton.cudagraphs": True}}, "CUDA graphs"),
+                           ({"options": ["max_autotune"]}, "a dict of inductor options")):
         with pytest.raises(PlanError, match=match):
             remat3d.apply(_net(), compiled_plan, compile_options=options)
     eager = dataclasses.replace(compiled_plan, graph_backend="eager")

@@ -57,7 +57,8 @@ Verifier = Callable[[Plan, Limits | None], Measured]
 def signature(plan: Plan) -> str:
     """What a measurement of ``plan`` depends on, as a key (searches revisit plans, and
     each distinct one is measured once): every field of its regions and the plan-wide
-    settings the runtime reads."""
+    settings the runtime and the verifier read."""
     return json.dumps([dataclasses.asdict(r) for r in plan.regions]
-                      + [plan.offload_min_bytes, plan.prefetch, plan.rebuild_saved],
+                      + [plan.offload_min_bytes, plan.prefetch, plan.rebuild_saved,
+                         plan.spans, plan.amp, plan.input_shapes, plan.graph_backend],
                       sort_keys=True)

@@ -214,7 +214,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     over: dict[tuple, Plan] = {}             # layout -> its verified plan above the budget
     failed: list[Layout] = []                # verified above the budget
     pending: list[Layout] = []               # of those, the ones to repair (rule 7)
-    stopped: set[int] = set()                # of their plans, those stopped at a limit
+    # of their plans, those stopped at a limit (by id; held, so no id is reused)
+    stopped: dict[int, Plan] = {}
 
     def verify(layout: Layout, whole: bool = False) -> Plan | None:
         """``layout`` verified (``whole``: again, without a limit), None unless it fits."""
@@ -237,7 +238,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         peak = candidate.verified_peak_bytes or 0
         host = candidate.verified_host_bytes or 0
         if limit is not None and peak > limit:  # stopped there: a lower bound
-            stopped.add(id(candidate))
+            stopped[id(candidate)] = candidate
             log.info("tiling layout %s: passed %s in %s", layout.label, format_bytes(limit),
                      candidate.verified_peak_module or "-")
         else:
@@ -257,15 +258,15 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         measured[key] = candidate
         return candidate
 
-    def went_down(below: Plan, missed: Plan) -> bool:
-        """Whether a repair (verified ``below``) lowered the peak of the layout it
+    def went_down(repaired: Plan, missed: Plan) -> bool:
+        """Whether a repair (verified ``repaired``) lowered the peak of the layout it
         repaired (verified ``missed``): both measured whole, or the repair whole and the
         other stopped (at a limit no lower than the repair's); both stopped, whether the
         repair passed its limit later in the step."""
-        if id(below) not in stopped:
+        if id(repaired) not in stopped:
             return id(missed) in stopped or \
-                (below.verified_peak_bytes or 0) < (missed.verified_peak_bytes or 0)
-        return id(missed) in stopped and extra_cost(below) > extra_cost(missed)
+                (repaired.verified_peak_bytes or 0) < (missed.verified_peak_bytes or 0)
+        return id(missed) in stopped and extra_cost(repaired) > extra_cost(missed)
 
     def passed_over(layout: Layout) -> bool:
         return any(at_least_as_frugal(f, layout) for f in failed)
@@ -277,23 +278,27 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
             missed = over[_key(parent)]  # the parent's verified plan, above the budget
             for _ in range(max_repairs):
                 assert extend is not None
-                if not missed.verified_peak_module and id(missed) in stopped:
+                module = missed.verified_peak_module
+                if not module and id(missed) in stopped:
                     # it passed its limit outside every stage: where its peak lies is
-                    # what the repair needs, so it is measured whole
+                    # what the repair needs, so it is measured whole once (``missed``
+                    # stays the stopped measurement the repair is compared with)
                     chosen = verify(parent, whole=True)
                     if chosen is not None:
                         return chosen
-                    missed = over.get(_key(parent), missed)
-                child = extend(parent, missed.verified_peak_module)
+                    module = over[_key(parent)].verified_peak_module \
+                        if _key(parent) in over else None
+                    over[_key(parent)] = missed
+                child = extend(parent, module)
                 if child is None or _key(child) in measured or passed_over(child):
                     break
                 chosen = verify(child)
                 if chosen is not None:
                     return chosen
-                below = over.get(_key(child))
-                if below is None or not went_down(below, missed):
+                missed_again = over.get(_key(child))
+                if missed_again is None or not went_down(missed_again, missed):
                     break
-                parent, missed = child, below
+                parent, missed = child, missed_again
         return None
 
     def tried(layout: Layout) -> Plan | None:

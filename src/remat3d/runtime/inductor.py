@@ -23,12 +23,16 @@ NOTE [ Graph plans compiled by inductor ]
      read and write memory a fake tensor does not have).
   5. A caller's ``torch.compile`` settings (``remat3d.apply(model, plan,
      compile_options={"mode": ..., "options": {...}})``, the names ``torch.compile``
-     takes) are inductor's config while both graphs compile, and ``torch.compile``'s for
-     a call without grad (rule 8 of ``graph_run.py``); an unknown mode or option is one
+     takes; given both, the options over the mode's) are inductor's config while both
+     graphs compile, and ``torch.compile``'s for a call without grad (rule 8 of
+     ``graph_run.py``); an unknown mode or option is one
      :class:`~remat3d.errors.PlanError` naming where the known ones are listed. CUDA
-     graphs (``reduce-overhead``, ``max-autotune``, ``triton.cudagraphs``) are refused:
-     their memory pool keeps every graph's buffers, which no plan counts;
-     ``max-autotune-no-cudagraphs`` is the autotuning alone.
+     graphs (``reduce-overhead``, ``max-autotune``, any cudagraph option) are refused and
+     kept off whatever the process's config says: their memory pool keeps every graph's
+     buffers, which no plan counts; ``max-autotune-no-cudagraphs`` is the autotuning
+     alone. Settings that change how inductor reuses memory (``mode="lite"``,
+     ``allow_buffer_reuse``) change the compiled step's peak, which is measured, not
+     verified (rule 6).
   6. What is not promised: inductor's kernels are not eager's, so gradients equal the
      compiled unplanned model's within torch.compile's own tolerance (not eager's bits);
      the verified peak is the eager graph run's, and the compiled step's is measured
@@ -99,18 +103,22 @@ def inductor_settings(compile_options: Mapping[str, Any] | None) -> dict[str, An
             raise PlanError(f"Unknown compile mode {mode!r}; torch.compile's modes are "
                             f"{sorted(modes)}.")
         settings.update(list_mode_options(mode))
-    options = dict(given.get("options") or {})
+    options = given.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise PlanError("compile_options['options'] is a dict of inductor options, as "
+                        f"torch.compile takes it; got {type(options).__name__}.")
     known = set(list_options())
     wrong = sorted(k for k in options if k not in known)
     if wrong:
         raise PlanError(f"Unknown inductor option(s) {wrong}; "
                         "torch._inductor.list_options() lists them.")
     settings.update(options)
-    if settings.get("triton.cudagraphs"):
+    if any("cudagraph" in key and value for key, value in settings.items()):
         raise PlanError("CUDA graphs keep every compiled graph's buffers in their own "
                         "memory pool, which the plan's verified peak does not count: use "
-                        "mode='max-autotune-no-cudagraphs' (the autotuning alone) or "
-                        "leave 'triton.cudagraphs' off.")
+                        "mode='max-autotune-no-cudagraphs' (the autotuning alone) and "
+                        "leave inductor's cudagraph options off.")
+    settings["triton.cudagraphs"] = False  # nor from the process's own config
     return settings
 
 
