@@ -224,10 +224,11 @@ def test_compile_options_are_inductors_config_while_the_graphs_compile(
         raise RuntimeError("recorded")
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", record_graphs)
-    monkeypatch.setattr(config.triton, "cudagraphs", True)
-    with pytest.warns(RuntimeWarning, match="recorded"):
+    with config.patch({"triton.cudagraphs": True}), \
+            pytest.warns(RuntimeWarning, match="recorded"):
         _grads(remat3d.apply(_net(), compiled_plan), torch.randn(X))
     assert seen_graphs == [False]
+    assert not config.triton.cudagraphs  # the process's own setting again
 
 
 def test_compile_options_that_cannot_hold_are_refused_by_name(compiled_plan) -> None:  # type: ignore[no-untyped-def]
