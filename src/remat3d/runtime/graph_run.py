@@ -325,7 +325,7 @@ class _GraphPlan:
             if self.backend == "inductor":  # rule 8: compiled, as the plan's steps are
                 if self._inference is None:
                     self._inference = torch.compile(type(self.model).forward,
-                                                    options=self.settings or None)
+                                                    options=self.settings)
                 return self._inference(self.model, *args, **kwargs)
             return type(self.model).forward(self.model, *args, **kwargs)
         if kwargs:
