@@ -18,7 +18,7 @@ from remat3d.instrument.step import meta_copy
 from remat3d.planner.measured import Limits
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.stages import Stage, StageModel, build_stages
-from remat3d.planner.tiled_plans import first_fitting_layout
+from remat3d.planner.tiled_plans import at_least_as_frugal, first_fitting_layout
 from remat3d.planner.tiling import Layout, _facts, layouts, stage_levels, stage_readers
 from remat3d.planspec import Plan, Region
 from remat3d.profiling import profile
@@ -389,6 +389,45 @@ def test_the_smallest_is_sought_from_the_most_frugal_layout_and_below_a_known_on
                                             fresh, check, smallest_only=True, below=35)
     assert chosen is None and smallest == 1 << 62  # none went under it
     assert seen == [((0, 1), 35), ((1,), 35), ((0,), 35)]
+
+
+def test_a_measured_fine_full_fusion_passes_over_the_coarse_one() -> None:
+    """Rule 6 with full fusion: in cost order the coarse layout is measured before the
+    fine one of the same stages (the fine one is the dear one to measure); measured
+    first, as the smallest's most frugal layout, the fine one's miss stands for the
+    coarse one too (a larger tile holds no less), which is not measured."""
+    stages = StageModel(stages=[Stage(i, i, f"s{i}", 0, 0, 0, 0, 0, 0, 0, 0)
+                                for i in range(2)],
+                        base=0, glue_saved=[0, 0], pending=[0, 0], grads_after=[0, 0])
+
+    def lay(edge: int) -> Layout:
+        return Layout(depth=1, fuse="all", tile=edge, fine=edge == 2,
+                      tiled=dict.fromkeys([0, 1], ((edge,) * 3, "device")))
+
+    coarse, fine = lay(4), lay(2)
+    assert not at_least_as_frugal(fine, coarse)  # not measured first for it
+    assert at_least_as_frugal(fine, coarse, across_sweeps=True)
+    assert not at_least_as_frugal(coarse, fine, across_sweeps=True)
+    seen: list[tuple[int, int | None]] = []
+
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
+        edge = next(r.tile[0] for r in plan.regions if r.decision == "tile")
+        seen.append((edge, None if within is None else within.peak_bytes))
+        return _measured(plan, {2: 40, 4: 60}[edge], within)
+
+    def fresh(regions: list[Region]) -> Plan:
+        return Plan(regions=regions)
+
+    chosen, smallest = first_fitting_layout([coarse, fine], stages, PlannerOptions(), None,
+                                            30, fresh, check, smallest_only=True)
+    assert chosen is None and smallest == 40
+    assert seen == [(2, None)]
+    # in cost order (a budget it may fit) the coarse one is measured first, as before
+    seen.clear()
+    chosen, _ = first_fitting_layout([coarse, fine], stages, PlannerOptions(), None, 50,
+                                     fresh, check)
+    assert chosen is not None and chosen.regions[0].tile == [2, 2, 2]
+    assert seen == [(4, 50), (2, 50)]
 
 
 def test_a_near_miss_is_repaired_before_the_next_group_of_layouts() -> None:

@@ -128,14 +128,18 @@ def _reading_rebuilt(layout: Layout, readers: list[set[int | None]]) -> set[int]
     return out
 
 
-def at_least_as_frugal(a: Layout, b: Layout) -> bool:
+def at_least_as_frugal(a: Layout, b: Layout, across_sweeps: bool = False) -> bool:
     """Whether ``a`` keeps no more on the device than ``b`` (NOTE [ Tiling layouts ] rule
-    6): the same stages, of the same sweep, each in a tile no larger than ``b``'s (the
-    same whole tensors, a smaller working set per tile), each output where ``b`` has it
-    or, where ``b`` stores it on the device, in host memory or rebuilt. (Not fused: a fused output
-    is recomputed inside its readers' tiles, which hold more at a time; at small volumes
-    that peak is the higher one.)"""
-    if a.tiled.keys() != b.tiled.keys() or (a.fine != b.fine and "all" in (a.fuse, b.fuse)):
+    6): the same stages, each in a tile no larger than ``b``'s (the same whole tensors, a
+    smaller working set per tile), each output where ``b`` has it or, where ``b`` stores
+    it on the device, in host memory or rebuilt. (Not fused: a fused output is recomputed
+    inside its readers' tiles, which hold more at a time; at small volumes that peak is
+    the higher one.) With full fusion, of the same sweep unless ``across_sweeps``: what
+    to measure first keeps the fine sweep's full fusion, up to a minute at 512³, for
+    when the coarse one failed; a fine one measured already, for any reason, stands for
+    the coarse one all the same."""
+    if a.tiled.keys() != b.tiled.keys() or (
+            not across_sweeps and a.fine != b.fine and "all" in (a.fuse, b.fuse)):
         return False
     for s, (size, out) in a.tiled.items():
         size_b, out_b = b.tiled[s]
@@ -269,7 +273,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         return id(missed) in stopped and extra_cost(repaired) > extra_cost(missed)
 
     def passed_over(layout: Layout) -> bool:
-        return any(at_least_as_frugal(f, layout) for f in failed)
+        return any(at_least_as_frugal(f, layout, across_sweeps=True) for f in failed)
 
     def repair(before: tuple[bool, bool, bool, int] | None) -> Plan | None:
         """Rule 7 for the pending layouts of groups before ``before`` (None: all)."""
@@ -322,7 +326,8 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         the failure of its own sweep it stands for (rule 7, from that failure's peak)."""
         if extend is None or layout.added or _key(layout) in over:
             return
-        failure = next((f for f in failed if at_least_as_frugal(f, layout)), None)
+        failure = next((f for f in failed
+                        if at_least_as_frugal(f, layout, across_sweeps=True)), None)
         if failure is None or failure.fine == layout.fine or \
                 most_frugal(layout, same_sweep=True) is not layout:
             return
