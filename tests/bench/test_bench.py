@@ -163,3 +163,14 @@ def test_checkpoint_sequential_lowers_saved_bytes_or_is_not_applicable():
     blocks = _net()
     assert install_block_checkpoints(blocks, ["0", "1"]) == 2
     assert remat3d.measure(blocks, x).saved_bytes < plain.saved_bytes
+
+
+def test_budget_rows_name_the_smallest_where_no_plan_fits():
+    """``remat3d bench tiling --budgets``: the planning time of every budget comes from
+    it, an infeasible one's (the search for the smallest the error names) included."""
+    from remat3d.bench.tiling_report import budget_rows
+
+    infeasible, fits = budget_rows("unet", ["1KiB", "1GiB"], size=32)
+    assert infeasible["smallest_bytes"] > 1024 and infeasible["seconds"] > 0
+    assert "peak_bytes" not in infeasible
+    assert 0 < fits["peak_bytes"] <= 2**30 and fits["flops"] == 1.0

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat3d.units import format_bytes
+
 __all__ = ["budget_rows", "exactness_rows", "memory_rows", "nnunet_whole_volume_forward",
            "stored_skip_rows"]
 
@@ -235,16 +237,23 @@ def budget_rows(model_name: str, budgets: Sequence[str], size: int = 512,
                 offload: bool = False) -> list[dict[str, Any]]:
     """``remat3d.plan(model, 1x1x size³, budget, amp="bf16", offload=...)`` at each
     budget: the verified peak and host memory, the FLOPs against the unplanned step's,
-    the tiled regions and the planning time."""
+    the tiled regions and the planning time; at a budget no plan fits, the smallest
+    feasible budget the error names (``smallest_bytes``) and the time it took to find."""
     import remat3d
     from remat3d import zoo
+    from remat3d.errors import InfeasibleBudgetError
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for budget in budgets:
         start = time.perf_counter()
-        plan = remat3d.plan(zoo.build_model(model_name, device="meta"),
-                            (1, 1, size, size, size), budget=budget, amp="bf16",
-                            offload=offload)
+        try:
+            plan = remat3d.plan(zoo.build_model(model_name, device="meta"),
+                                (1, 1, size, size, size), budget=budget, amp="bf16",
+                                offload=offload)
+        except InfeasibleBudgetError as exc:
+            rows.append({"budget": budget, "smallest_bytes": exc.smallest_feasible_bytes,
+                         "seconds": time.perf_counter() - start})
+            continue
         rows.append({"budget": budget, "peak_bytes": plan.verified_peak_bytes or 0,
                      "host_bytes": plan.verified_host_bytes or 0,
                      "flops": 1 + (plan.extra_flops or 0) / (plan.step_flops or 1),
@@ -390,6 +399,11 @@ def main(argv: list[str] | None = None) -> None:
               "planning |")
         print("|---|---:|---:|---:|---|---:|")
         for r in rows:
+            if "smallest_bytes" in r:
+                print(f"| {r['budget']} | infeasible: the smallest feasible budget is "
+                      f"{format_bytes(r['smallest_bytes'])} | | | | {r['seconds']:.0f} s |",
+                      flush=True)
+                continue
             print(f"| {r['budget']} | {r['peak_bytes'] / GiB:.2f} GiB | "
                   f"{r['host_bytes'] / GiB:.2f} GiB | {r['flops']:.2f}x | {r['tiled']} | "
                   f"{r['seconds']:.0f} s |", flush=True)
