@@ -272,8 +272,13 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
                 (repaired.verified_peak_bytes or 0) < (missed.verified_peak_bytes or 0)
         return id(missed) in stopped and extra_cost(repaired) > extra_cost(missed)
 
+    def failure_over(layout: Layout) -> Layout | None:
+        """The failed layout that passes ``layout`` over (rule 6), if any."""
+        return next((f for f in failed if at_least_as_frugal(f, layout, across_sweeps=True)),
+                    None)
+
     def passed_over(layout: Layout) -> bool:
-        return any(at_least_as_frugal(f, layout, across_sweeps=True) for f in failed)
+        return failure_over(layout) is not None
 
     def repair(before: tuple[bool, bool, bool, int] | None) -> Plan | None:
         """Rule 7 for the pending layouts of groups before ``before`` (None: all)."""
@@ -326,8 +331,7 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
         the failure of its own sweep it stands for (rule 7, from that failure's peak)."""
         if extend is None or layout.added or _key(layout) in over:
             return
-        failure = next((f for f in failed
-                        if at_least_as_frugal(f, layout, across_sweeps=True)), None)
+        failure = failure_over(layout)
         if failure is None or failure.fine == layout.fine or \
                 most_frugal(layout, same_sweep=True) is not layout:
             return
