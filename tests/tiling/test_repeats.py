@@ -284,3 +284,28 @@ def test_the_planner_chooses_the_same_plan_with_its_losing_candidates_stopped(mo
     remat3d.planning.clear_plan_cache()
     assert plans[True].tiled and stops, plans[True].summary()
     assert plans[True].to_dict() == plans[False].to_dict()
+
+
+def test_a_tile_with_its_axes_swapped_is_keyed_as_one_shape():
+    """Rule 7: a stride-2 convolution makes the far edge no mirror of the near one (3
+    kinds of position an axis, 27 shapes); on an isotropic run a tile and its axes
+    swapped are one shape (10), an anisotropic run keeps all 27. Booked so, a tiled step
+    still measures what running every tile does."""
+    from torch import nn
+
+    from remat3d.runtime.tiling.tiled import TiledRun
+
+    def block(stride):
+        return nn.Sequential(nn.Conv3d(1, 2, 3, stride=stride, padding=1),
+                             nn.InstanceNorm3d(2), nn.LeakyReLU(),
+                             nn.Conv3d(2, 2, 3, padding=1))
+
+    x = torch.randn(1, 1, 32, 32, 32)
+    run = TiledRun(block(2), [x], 4)
+    assert len(run.tiles) == 64 and len(set(run.shapes)) == 27 and len(set(run.keys)) == 10
+    run = TiledRun(block((2, 2, 1)), [torch.randn(1, 1, 32, 32, 16)], 4)
+    assert run.keys == run.shapes
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    plan = Plan(regions=[Region("downsamples.0", decision="tile", tile=[2, 2, 2]),
+                         Region("upsamples.1", decision="tile", tile=[4, 4, 4])])
+    _same_with_and_without(net, plan, (1, 1, 16, 16, 16))

@@ -61,6 +61,15 @@ NOTE [ Repeats on meta ]
      one shape, not two (a 512³ volume in 128³ tiles: 8 shapes a pass, not 27). The
      first tile of a pass still runs: it makes the pass's accumulators, which its
      mirror, recorded after them, does not.
+  7. A run whose ops treat the three axes alike (every window parameter the same on
+     each axis, every node and the tile cubic: ``tiled._isotropic``) keys a tile by the
+     order of its axes that sorts first, the same order for every region: a tile and
+     one with its axes swapped run the same ops on tensors of the same sizes (permuted
+     extents), so they allocate, free and count alike. Where a stride-2 convolution
+     makes the far edge no mirror of the near one (3 kinds of position an axis, 27
+     shapes a pass), 10 shapes are recorded, not 27. A tile with a region that spans a
+     whole axis keeps its own order (which axis is whole decides whether a view is
+     contiguous, so whether an op copies it).
   Equal peaks, FLOPs, window peaks and the timeline's high-water marks with and
   without replay are tested on tiled plans
   (``tests/tiling/test_repeats.py``), and equal peaks, peak modules, host peaks and FLOPs

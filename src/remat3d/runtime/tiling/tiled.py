@@ -142,6 +142,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -293,6 +294,9 @@ class TiledRun:
              tuple(_shape(r, tr.sizes[node], flip) for r, node in zip(outs, tr.outputs)))
             for plan, owned, outs, flip in zip(self.plans, self.owned, self.out_owned,
                                                self.flips)]
+        # rule 7: on an isotropic run, a tile keyed as the axis order that names it least
+        isotropic = _isotropic(tr, self.tile)
+        self.keys = [_least_axis_order(key) if isotropic else key for key in self.shapes]
         self.stash_nodes = self._stash_nodes() if stash else {}
         self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
         self._region_plans: dict[Region, dict[int, Region]] = {}
@@ -699,16 +703,47 @@ def _shape(region: Region, size: Sequence[int], flip: Sequence[bool] = (False,) 
                  for (lo, hi), n, f in zip(region, size, flip))
 
 
+_AXIS_ORDERS = tuple(itertools.permutations(range(3)))
+
+
+def _isotropic(tr: Trace, tile: Sequence[int]) -> bool:
+    """Whether a run's ops treat the three axes alike (NOTE [ Repeats on meta ] rule 7):
+    every window parameter the same on each axis, every node and the tile cubic."""
+    if len(set(tile)) != 1 or any(len(set(size)) != 1 for size in tr.sizes.values()):
+        return False
+    return all(len(set(values)) == 1
+               for op in tr.spatial_ops
+               for values in (op.kernel, op.stride, op.padding, op.dilation, op.scale))
+
+
+def _least_axis_order(key: tuple) -> tuple:
+    """A tile's key (``TiledRun.shapes``) with its axes reordered alike in every region,
+    the order that sorts first (rule 7); as it is where a region spans a whole axis (its
+    views' layout, so a copy an op makes, could depend on which axis that is)."""
+    nodes, owned, outs = key
+    regions = [shape for _, shape in nodes] + list(owned) + list(outs)
+    if any(near and far for shape in regions for _, near, far in shape):
+        return key
+
+    def ordered(order: tuple[int, ...]) -> tuple:
+        def axes(shape: tuple) -> tuple:
+            return tuple(shape[a] for a in order)
+        return (tuple((node, axes(shape)) for node, shape in nodes),
+                tuple(axes(shape) for shape in owned), tuple(axes(shape) for shape in outs))
+
+    return min(ordered(order) for order in _AXIS_ORDERS)
+
+
 class _Repeats:
     """One pass's tiles on a replaying tracker (NOTE [ Repeats on meta ] in
     ``instrument/tracker.py``): a tile whose shapes a tile of the pass already had is
     booked from that one's record, not run; within ``shared_repeats()`` (rule 5), so is
     one whose run, pass and shapes an earlier pass or step recorded (a tile at an axis's
-    far end keyed as its mirror image, rule 6). Elsewhere every tile runs, and so do the
-    first tile of each pass (it makes the accumulators) and the last tile of the pass
-    that writes the outputs (``last_runs``: it keeps the buffers it updates; every other
-    pass restores them). ``tag`` names the
-    pass (which one, and what its tiles depend on besides their shapes)."""
+    far end keyed as its mirror image, rule 6; its axes reordered, rule 7). Elsewhere
+    every tile runs, and so do the first tile of each pass (it makes the accumulators)
+    and the last tile of the pass that writes the outputs (``last_runs``: it keeps the
+    buffers it updates; every other pass restores them). ``tag`` names the pass (which
+    one, and what its tiles depend on besides their shapes)."""
 
     def __init__(self, run: TiledRun, tag: tuple,
                  inputs: Sequence[torch.Tensor | TileSource] = (),
@@ -743,7 +778,7 @@ class _Repeats:
 
     def shapes(self, k: int) -> tuple:
         if not self.sources:
-            return self.run.shapes[k]
+            return self.run.keys[k]
         plan, flip = self.run.plans[k], self.run.flips[k]
         return (self.run.shapes[k],
                 tuple(x.key(plan.get(node, ((0, 1),) * 3), flip) for x, node in self.sources))
