@@ -309,3 +309,27 @@ def test_a_tile_with_its_axes_swapped_is_keyed_as_one_shape():
     plan = Plan(regions=[Region("downsamples.0", decision="tile", tile=[2, 2, 2]),
                          Region("upsamples.1", decision="tile", tile=[4, 4, 4])])
     _same_with_and_without(net, plan, (1, 1, 16, 16, 16))
+
+
+@pytest.mark.parametrize(("norm", "stash"), [("instance", "device"), ("instance", "host"),
+                                             ("batch", "device")])
+def test_a_stashed_run_books_the_passes_it_shares_with_the_unstashed_one(monkeypatch, norm,
+                                                                         stash):
+    # rule 8: a pass is keyed by what it does with stashes, not by the run's stashes. A
+    # plan that stashes a normalisation's input, measured after the one that does not,
+    # books the passes before that normalisation and the final backward pass, and
+    # measures what it does alone
+    net = _dynunet(NORM_NAMES[norm], torch.float32)
+    shape = (1, 1, 16, 16, 16)
+    plain = Plan(regions=[Region("input_block", decision="tile", tile=[16, 4, 4])])
+    stashed = Plan(regions=[Region("input_block", decision="tile", tile=[16, 4, 4],
+                                   stash=stash, stash_norms=[1])])
+    calls = []
+    monkeypatch.setattr(remat3d.runtime.tiling.tiled.TiledRun, "run_tile", _counting(calls))
+    alone = _measured(net, stashed, shape, replays=True)
+    ran_alone = len(calls)
+    assert alone == _measured(net, stashed, shape, replays=False)
+    after_plain = _shared_measured(net, [plain, stashed], shape, calls)[1]
+    for key in ("peak", "at", "host", "flops"):
+        assert after_plain[key] == alone[key], key
+    assert after_plain["tiles"] < ran_alone

@@ -70,6 +70,12 @@ NOTE [ Repeats on meta ]
      shapes a pass), 10 shapes are recorded, not 27. A tile with a region that spans a
      whole axis keeps its own order (which axis is whole decides whether a view is
      contiguous, so whether an op copies it).
+  8. A pass's key names what its tiles do with stashes (ops skipped or read from one,
+     the stashes read and written, host or device: ``tiled._stashing_key``), not which
+     stashes the run has: the passes before a run's first stash, and its final backward
+     pass (which reads none), are the same ops whatever is stashed, and a plan that
+     stashes one more normalisation re-records only the passes that change (the
+     stashes are made and freed between passes, outside any tile's record).
   Equal peaks, FLOPs, window peaks and the timeline's high-water marks with and
   without replay are tested on tiled plans
   (``tests/tiling/test_repeats.py``), and equal peaks, peak modules, host peaks and FLOPs

@@ -296,7 +296,9 @@ class TiledRun:
                                                self.flips)]
         # rule 7: on an isotropic run, a tile keyed as the axis order that names it least
         isotropic = _isotropic(tr, self.tile)
-        self.keys = [_least_axis_order(key) if isotropic else key for key in self.shapes]
+        least = {key: _least_axis_order(key) if isotropic else key
+                 for key in set(self.shapes)}  # (a few kinds of tile, many tiles)
+        self.keys = [least[key] for key in self.shapes]
         self.stash_nodes = self._stash_nodes() if stash else {}
         self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
         self._region_plans: dict[Region, dict[int, Region]] = {}
@@ -305,11 +307,12 @@ class TiledRun:
     def digest(self) -> str:
         """Everything a tile's work depends on besides its shapes and the pass (NOTE
         [ Repeats on meta ] rule 5): the traced ops, sizes and dtypes, the parameters'
-        shapes, the tile and where inputs, outputs and stashes live."""
+        shapes, the tile and where inputs and outputs live. Not the stashes: what a pass
+        does with them is the pass's (``_stashing_key``, rule 8)."""
         if self._digest is None:
             tr = self.trace
             text = repr((
-                self.tile, self.stash, self.stash_norms, self.host_outputs, self.host_inputs,
+                self.tile, self.host_outputs, self.host_inputs,
                 self.device.type,
                 tr.ops, tr.inputs, tr.outputs, sorted(tr.sizes.items()), tr.out_shapes,
                 tr.out_dtypes, tr.norms, sorted(tr.leading.items()),
@@ -496,7 +499,6 @@ class TiledRun:
         statistics not updated a second time."""
         if any(stats.rstd is None for stats in self.stats):
             raise AssertionError("a tiled run was rebuilt before its forward ran")
-        self.digest()  # (of the run as planned: its stashes included)
         with self._window("rebuild"):
             return self._forward(inputs, rebuilding=True)
 
@@ -525,7 +527,7 @@ class TiledRun:
                             else torch.empty(shape, dtype=dtype, device=self.device)
                             for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
                 repeats = _Repeats(self, ("forward", j, _layout(inputs)), inputs,
-                                   last_runs=j == n and not rebuilding)
+                                   last_runs=j == n and not rebuilding, stashing=stashing)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
@@ -600,7 +602,7 @@ class TiledRun:
                 stats = self.stats[j]
                 sum_g: torch.Tensor | None = None
                 sum_gx: torch.Tensor | None = None
-                repeats = _Repeats(self, ("sums", j, *given), inputs)
+                repeats = _Repeats(self, ("sums", j, *given), inputs, stashing=stashing)
                 for k in range(len(self.tiles)):
                     if repeats.replayed(k):
                         continue
@@ -734,6 +736,16 @@ def _least_axis_order(key: tuple) -> tuple:
     return min(ordered(order) for order in _AXIS_ORDERS)
 
 
+def _stashing_key(run: TiledRun, stashing: Stashing | None) -> tuple | None:
+    """What a pass's tiles do with stashes (NOTE [ Repeats on meta ] rule 8): the ops
+    they skip or read from one, the stashes they read and write, and where stashes
+    live; None where they do nothing with one, as in a run without stashes."""
+    if stashing is None or not (stashing.actions or stashing.read or stashing.write):
+        return None
+    return (tuple(sorted(stashing.actions.items())), tuple(sorted(stashing.read)),
+            tuple(sorted(stashing.write)), run.stash)
+
+
 class _Repeats:
     """One pass's tiles on a replaying tracker (NOTE [ Repeats on meta ] in
     ``instrument/tracker.py``): a tile whose shapes a tile of the pass already had is
@@ -743,11 +755,12 @@ class _Repeats:
     every tile runs, and so do the first tile of each pass (it makes the accumulators)
     and the last tile of the pass that writes the outputs (``last_runs``: it keeps the
     buffers it updates; every other pass restores them). ``tag`` names the pass (which
-    one, and what its tiles depend on besides their shapes)."""
+    one, and what its tiles depend on besides their shapes and what ``stashing`` has
+    them do, rule 8)."""
 
     def __init__(self, run: TiledRun, tag: tuple,
                  inputs: Sequence[torch.Tensor | TileSource] = (),
-                 last_runs: bool = False) -> None:
+                 last_runs: bool = False, stashing: Stashing | None = None) -> None:
         self.run = run
         self.last_runs = last_runs
         # inputs computed by each tile (NOTE [ Rebuilt tiled outputs ] rule 7): their
@@ -757,8 +770,8 @@ class _Repeats:
         self.tracker = replaying_tracker() if run.device.type == "meta" else None
         self.seen: dict[Any, Repeat] = {}
         self.tag = None if self.tracker is None else (
-            run.digest(), tag, torch.is_grad_enabled(), is_recomputing(),
-            self.tracker.phase, repr(AmpState.capture(run.device)))
+            run.digest(), tag, _stashing_key(run, stashing), torch.is_grad_enabled(),
+            is_recomputing(), self.tracker.phase, repr(AmpState.capture(run.device)))
 
     def replayed(self, k: int) -> bool:
         # the first tile runs: it makes the pass's accumulators (statistics, sums,
