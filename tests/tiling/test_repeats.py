@@ -67,7 +67,7 @@ def test_rebuilt_outputs_measure_the_same_with_repeats_booked(in_tiles):
     (NOTE [ Rebuilt tiled outputs ] rule 7: a tile's key holds its parts' shapes too)."""
     net = _dynunet(NORM_NAMES["instance"], torch.float32)
     shape = (1, 1, 16, 16, 16)
-    for tile in ([16, 4, 4], [16, 6, 5]):
+    for tile in ([16, 4, 4], [16, 6, 5], [4, 4, 4]):  # cubic: rule 7 keys its parts too
         plan = Plan(regions=[
             Region("input_block", decision="tile", tile=tile, rebuild=True),
             Region("downsamples.0", decision="tile", tile=[t // 2 for t in tile],

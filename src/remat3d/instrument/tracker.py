@@ -62,14 +62,16 @@ NOTE [ Repeats on meta ]
      first tile of a pass still runs: it makes the pass's accumulators, which its
      mirror, recorded after them, does not.
   7. A run whose ops treat the three axes alike (every window parameter the same on
-     each axis, every node and the tile cubic: ``tiled._isotropic``) keys a tile by the
-     order of its axes that sorts first, the same order for every region: a tile and
-     one with its axes swapped run the same ops on tensors of the same sizes (permuted
-     extents), so they allocate, free and count alike. Where a stride-2 convolution
-     makes the far edge no mirror of the near one (3 kinds of position an axis, 27
-     shapes a pass), 10 shapes are recorded, not 27. A tile with a region that spans a
-     whole axis keeps its own order (which axis is whole decides whether a view is
-     contiguous, so whether an op copies it).
+     each axis, every node cubic: ``tiled._isotropic``) and whose tile is cubic keys a
+     tile by the order of its axes that sorts first, the same order for every region
+     (the regions of the rebuilt inputs it computes in parts too, where their runs' ops
+     are alike on every axis: ``TileSource.isotropic``): a tile and one with its axes
+     swapped run the same ops on tensors of the same sizes (permuted extents), so they
+     allocate, free and count alike. Where a stride-2 convolution makes the far edge no
+     mirror of the near one (3 kinds of position an axis, 27 shapes a pass), 10 shapes
+     are recorded, not 27. A tile with a region that spans a whole axis keeps its own
+     order (which axis is whole decides whether a view is contiguous, so whether an op
+     copies it).
   8. A pass's key names what its tiles do with stashes (ops skipped or read from one,
      the stashes read and written, host or device: ``tiled._stashing_key``), not which
      stashes the run has: the passes before a run's first stash, and its final backward

@@ -143,7 +143,7 @@ import contextlib
 import contextvars
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -294,11 +294,14 @@ class TiledRun:
              tuple(_shape(r, tr.sizes[node], flip) for r, node in zip(outs, tr.outputs)))
             for plan, owned, outs, flip in zip(self.plans, self.owned, self.out_owned,
                                                self.flips)]
-        # rule 7: on an isotropic run, a tile keyed as the axis order that names it least
-        isotropic = _isotropic(tr, self.tile)
-        least = {key: _least_axis_order(key) if isotropic else key
+        # rule 7: where the ops and the tile treat the axes alike, a tile keyed as the
+        # axis order that names it least
+        self.isotropic = _isotropic(tr)
+        self.cubic = self.isotropic and len(set(self.tile)) == 1
+        least = {key: _least_axis_order(key) if self.cubic else key
                  for key in set(self.shapes)}  # (a few kinds of tile, many tiles)
         self.keys = [least[key] for key in self.shapes]
+        self.sourced_keys: dict[tuple, tuple] = {}  # with rebuilt inputs' keys: reduced
         self.stash_nodes = self._stash_nodes() if stash else {}
         self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
         self._region_plans: dict[Region, dict[int, Region]] = {}
@@ -708,32 +711,47 @@ def _shape(region: Region, size: Sequence[int], flip: Sequence[bool] = (False,) 
 _AXIS_ORDERS = tuple(itertools.permutations(range(3)))
 
 
-def _isotropic(tr: Trace, tile: Sequence[int]) -> bool:
+def _isotropic(tr: Trace) -> bool:
     """Whether a run's ops treat the three axes alike (NOTE [ Repeats on meta ] rule 7):
-    every window parameter the same on each axis, every node and the tile cubic."""
-    if len(set(tile)) != 1 or any(len(set(size)) != 1 for size in tr.sizes.values()):
+    every window parameter the same on each axis, every node cubic."""
+    if any(len(set(size)) != 1 for size in tr.sizes.values()):
         return False
     return all(len(set(values)) == 1
                for op in tr.spatial_ops
                for values in (op.kernel, op.stride, op.padding, op.dilation, op.scale))
 
 
-def _least_axis_order(key: tuple) -> tuple:
-    """A tile's key (``TiledRun.shapes``) with its axes reordered alike in every region,
-    the order that sorts first (rule 7); as it is where a region spans a whole axis (its
+def _least_axis_order(key: tuple, sourced: bool = False) -> tuple:
+    """A tile's key (``TiledRun.shapes``; ``sourced``: with its rebuilt inputs' keys,
+    ``TileSource.key``) with its axes reordered alike in every region, the order that
+    sorts first (rule 7); in the order it has where a region spans a whole axis (its
     views' layout, so a copy an op makes, could depend on which axis that is)."""
-    nodes, owned, outs = key
-    regions = [shape for _, shape in nodes] + list(owned) + list(outs)
-    if any(near and far for shape in regions for _, near, far in shape):
-        return key
+    regions: list[tuple] = []  # every region's shape, gathered in the first order
+
+    def nodes(entries: Iterable[tuple[Any, tuple]], order: tuple[int, ...]) -> tuple:
+        out = tuple((node, tuple(shape[a] for a in order)) for node, shape in entries)
+        if order == _AXIS_ORDERS[0]:
+            regions.extend(shape for _, shape in out)
+        return out
+
+    def run_key(k: tuple, order: tuple[int, ...]) -> tuple:
+        entries, owned, outs = k
+        return (nodes(entries, order), nodes(enumerate(owned), order),
+                nodes(enumerate(outs), order))
+
+    def source_key(k: tuple, order: tuple[int, ...]) -> tuple:
+        entries, inner = k
+        return nodes(entries, order), tuple(source_key(x, order) for x in inner)
 
     def ordered(order: tuple[int, ...]) -> tuple:
-        def axes(shape: tuple) -> tuple:
-            return tuple(shape[a] for a in order)
-        return (tuple((node, axes(shape)) for node, shape in nodes),
-                tuple(axes(shape) for shape in owned), tuple(axes(shape) for shape in outs))
+        if not sourced:
+            return run_key(key, order)
+        return run_key(key[0], order), tuple(source_key(x, order) for x in key[1])
 
-    return min(ordered(order) for order in _AXIS_ORDERS)
+    same = ordered(_AXIS_ORDERS[0])  # (0, 1, 2)
+    if any(near and far for shape in regions for _, near, far in shape):
+        return same
+    return min(same, *(ordered(order) for order in _AXIS_ORDERS[1:]))
 
 
 def _stashing_key(run: TiledRun, stashing: Stashing | None) -> tuple | None:
@@ -767,6 +785,7 @@ class _Repeats:
         # parts' shapes are the tile's too
         self.sources = [(x, node) for x, node in zip(inputs, run.trace.inputs)
                         if isinstance(x, TileSource)]
+        self.cubic = run.cubic and all(x.isotropic for x, _ in self.sources)  # rule 7
         self.tracker = replaying_tracker() if run.device.type == "meta" else None
         self.seen: dict[Any, Repeat] = {}
         self.tag = None if self.tracker is None else (
@@ -793,8 +812,14 @@ class _Repeats:
         if not self.sources:
             return self.run.keys[k]
         plan, flip = self.run.plans[k], self.run.flips[k]
-        return (self.run.shapes[k],
-                tuple(x.key(plan.get(node, ((0, 1),) * 3), flip) for x, node in self.sources))
+        key = (self.run.shapes[k],
+               tuple(x.key(plan.get(node, ((0, 1),) * 3), flip) for x, node in self.sources))
+        if not self.cubic:
+            return key
+        least = self.run.sourced_keys.get(key)
+        if least is None:
+            least = self.run.sourced_keys[key] = _least_axis_order(key, sourced=True)
+        return least
 
     @contextlib.contextmanager
     def recording(self, k: int) -> Iterator[None]:
@@ -953,6 +978,13 @@ class TileSource:
 
     def detach(self) -> TileSource:
         return self
+
+    @property
+    def isotropic(self) -> bool:
+        """Whether the ops computing a part treat the axes alike (NOTE [ Repeats on meta ]
+        rule 7): its run's and its own rebuilt inputs'."""
+        return self.source.run.isotropic and all(
+            x.isotropic for x in self.inputs if isinstance(x, TileSource))
 
     def part(self, want: Region) -> torch.Tensor:
         """The output over ``want`` (computed without grad)."""
