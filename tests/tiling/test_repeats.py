@@ -289,8 +289,8 @@ def test_the_planner_chooses_the_same_plan_with_its_losing_candidates_stopped(mo
 def test_a_tile_with_its_axes_swapped_is_keyed_as_one_shape():
     """Rule 7: a stride-2 convolution makes the far edge no mirror of the near one (3
     kinds of position an axis, 27 shapes); on an isotropic run a tile and its axes
-    swapped are one shape (10), an anisotropic run keeps all 27. Booked so, a tiled step
-    still measures what running every tile does."""
+    swapped are one shape (10); an anisotropic run keeps every shape it has. Booked so,
+    a tiled step still measures what running every tile does."""
     from torch import nn
 
     from remat3d.runtime.tiling.tiled import TiledRun
