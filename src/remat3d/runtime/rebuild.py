@@ -109,18 +109,33 @@ class Rebuilt:
         return value
 
 
+_WRITES: dict[Any, tuple[tuple[tuple[int, str], ...], bool]] = {}  # op -> what it writes
+
+
+def _writes(func: Any) -> tuple[tuple[tuple[int, str], ...], bool]:
+    """The positions and names of ``func``'s schema's mutable arguments, and whether it
+    is a BatchNorm kernel (read once per op: every op of every step asks)."""
+    found = _WRITES.get(func)
+    if found is None:
+        found = _WRITES[func] = (
+            tuple((i, argument.name) for i, argument in enumerate(func._schema.arguments)
+                  if argument.alias_info is not None and argument.alias_info.is_write),
+            "batch_norm" in func.__name__)
+    return found
+
+
 def _written(func: Any, args: tuple, kwargs: dict, *, but_first: bool = False
              ) -> list[torch.Tensor]:
     """The tensors ``func`` writes into: its schema's mutable arguments (``but_first``: the
     first one aside, an in-place op's own target), and the running statistics BatchNorm
     kernels update although their schema does not say so."""
-    found: list[Any] = []
-    for i, argument in enumerate(func._schema.arguments):
-        info = argument.alias_info
-        if info is not None and info.is_write and not (but_first and i == 0):
-            found.append(args[i] if i < len(args) else kwargs.get(argument.name))
-    if "batch_norm" in func.__name__:
+    mutable, batch_norm = _writes(func)
+    found: list[Any] = [args[i] if i < len(args) else kwargs.get(name)
+                        for i, name in mutable if not (but_first and i == 0)]
+    if batch_norm:
         found += list(args[3:5])
+    if not found:
+        return []
     return [t for t in tree_flatten(found)[0] if isinstance(t, torch.Tensor)]
 
 
