@@ -225,9 +225,8 @@ class RebuildRecorder(TorchDispatchMode):
         return None if entry is None else entry.recipes.get(storage_key(t, version))
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        schema = func._schema
-        inplace = bool(schema.arguments) and schema.arguments[0].alias_info is not None \
-            and schema.arguments[0].alias_info.is_write
+        mutable, _ = _writes(func)
+        inplace = bool(mutable) and mutable[0][0] == 0  # it writes its first argument
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         largest = max(storage_nbytes(t) for t in outputs)
         flat, spec = tree_flatten((args, kwargs))
