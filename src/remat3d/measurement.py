@@ -54,6 +54,8 @@ class Measurement:
     # the module invocations running when the peak was reached, innermost first (empty:
     # outside every module, or a graph plan's step)
     peak_modules: tuple[str, ...] = ()
+    # when the peak was reached: "forward" or "backward" (None: before the step's first op)
+    peak_phase: str | None = None
     # per tiled run (by its plan region's label, decoder.@4#0, else its module's name),
     # the most bytes live on the device while its passes ran: "forward", and in backward
     # the normalisations' "sums" passes and the "final" pass
@@ -110,6 +112,7 @@ def _measured(setup: StepSetup, seconds: float | None) -> Measurement:
             breakdown=tracker.peak_breakdown(),
             host_bytes=tracker.host_peak_bytes,
             peak_modules=tracker.peak_modules(),
+            peak_phase=tracker.peak_phase(),
             tiled_peaks=tracker.window_peaks(),
             peak_tensors=tracker.peak_tensors(),
         )

@@ -162,7 +162,8 @@ def _verify(model: nn.Module, examples: list[torch.Tensor], plan_: Plan, amp: st
                     format_bytes(stop.peak_bytes), stop.flops)
         return Measured(stop.peak_bytes, 0, stop.flops, 0, stop.module, complete=False)
     return Measured(m.peak_bytes, m.recompute_flops, m.flops, m.host_bytes,
-                    m.peak_modules[0] if m.peak_modules else None, m.tiled_peaks)
+                    m.peak_modules[0] if m.peak_modules else None, m.tiled_peaks,
+                    peak_phase=m.peak_phase)
 
 
 @rare_full_collections()  # the search's meta steps make millions of objects

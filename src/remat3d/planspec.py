@@ -199,6 +199,8 @@ class Plan:
     # the innermost module running when the verified step reached its peak (qualified
     # name; None: outside every module, or not verified)
     verified_peak_module: str | None = None
+    # when it reached it: "forward" or "backward" (None: not verified, or unknown)
+    verified_peak_phase: str | None = None
     # per tiled region's label, the most device bytes live while its run's passes ran
     # ("forward", backward "sums" and "final"): where the planner finds room for what
     # only that run holds

@@ -289,3 +289,18 @@ def test_a_tracker_stops_where_its_limits_are_passed_and_unwinds():
     with stop_above(peak_bytes=10**6, flops=10**6):
         step()  # within its limits: measured whole
     step()  # the limits are gone with their scope
+
+
+def test_the_peak_phase_is_when_the_peak_was_reached():
+    # what the planner reads of a verified step (Plan.verified_peak_phase): the peak in
+    # forward, then a higher one in backward; recomputation in backward is backward
+    with MemoryTracker("meta") as tracker:
+        assert tracker.peak_phase() is None  # nothing yet: the starting state
+        x = torch.empty(1024, device="meta")
+        y = x * 2
+        del y
+        assert tracker.peak_phase() == "forward"
+        tracker.phase = "backward"
+        g = torch.empty(4096, device="meta")
+        assert tracker.peak_phase() == "backward"
+        del g, x

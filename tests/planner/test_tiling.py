@@ -651,6 +651,50 @@ def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_
     assert store_tiled_outputs(hosted, 110, stages, check_host, saves) is hosted
 
 
+def test_a_fused_output_stored_needs_room_for_its_gradient_where_the_peak_was(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+    """NOTE [ Tiling layouts ] rule 8: a fused output stored is whole, and so is its
+    gradient from its first reader run's backward until its own; where the verified peak
+    was reached in backward between them (outside the runs computing it), a trial needs
+    room for both, and is not verified without it."""
+    from remat3d.planner.tiled_plans import layout_regions, store_tiled_outputs
+    from remat3d.planner.tiling import MODEL_INPUT, stage_at, stage_producers, storing_saves
+
+    graph, stages = graph_and_stages
+    names = [s.name for s in stages.stages]
+    index = {n: i for i, n in enumerate(names)}
+    producers = stage_producers(graph, stages)
+    assert producers[index["stem"]] == {MODEL_INPUT}
+    assert producers[index["head"]] == {index["up"]}
+    assert producers[index["up"]] == {index["inner"], index["stem"]}
+    readers = stage_readers(graph, stages)
+    lay = next(lay for lay in layouts(graph, stages, [True] * len(names), tiles=(16,))
+               if lay.depth == 1 and lay.fuse == "all")
+    saves = storing_saves(graph, stages, set(lay.tiled))
+    skip = stages.stages[index["stem"]].output_bytes  # fused: read by the runs of down, head
+    verified: list[str] = []
+
+    def check(plan: Plan, within: Limits | None = None) -> Plan:
+        verified.append(",".join(sorted(r.module for r in plan.regions if r.fuse)))
+        plan.verified_peak_bytes, plan.extra_flops = 100, 700
+        return plan
+
+    def trials(budget: int, module: str, phase: str) -> list[str]:
+        verified.clear()
+        start = Plan(regions=layout_regions(stages, lay), verified_peak_bytes=100,
+                     extra_flops=1000, verified_peak_module=module, verified_peak_phase=phase)
+        store_tiled_outputs(start, budget, stages, check, saves, readers, producers,
+                            lambda m: stage_at(graph, stages, m))
+        return verified
+
+    # in inner's backward the skip's gradient is whole (the head's run made it), stored
+    assert trials(100 + skip, "inner", "backward") == []
+    assert trials(100 + 2 * skip, "inner", "backward") == ["up"]
+    # in forward no gradient is; inside a run that computes it, the run itself changes
+    assert trials(100 + skip, "inner", "forward") == ["up"]
+    assert trials(100 + skip, "down", "backward") == ["up"]
+    assert trials(100 + skip, "up", "backward") == ["up"]
+
+
 def test_tiled_stages_run_whole_where_room_allows_most_passes_first(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
     """NOTE [ Tiling layouts ] rule 9: a tiled stage whose output is stored runs whole
     (recomputed, or kept where it may not be recomputed) when the verified peak still

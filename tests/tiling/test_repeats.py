@@ -17,7 +17,15 @@ import torch
 import remat3d
 import remat3d.measurement
 from remat3d.instrument.step import meta_copy, prepare_step, run_step
-from remat3d.instrument.tracker import MemoryTracker, Repeat, shared_repeat, shared_repeats
+from remat3d.instrument.tracker import (
+    LimitExceeded,
+    MemoryTracker,
+    Repeat,
+    RepeatSeries,
+    shared_repeat,
+    shared_repeats,
+    stop_above,
+)
 from remat3d.planspec import Plan, Region
 from tests.tiling.test_norms import NORM_NAMES, _dynunet
 
@@ -35,15 +43,22 @@ def _measured(model, plan, shape, replays, amp=None):
             "host": tracker.host_peak_bytes,
             "windows": tracker.window_peaks(),
             "top": max(max(e.live_before, e.live_after) for e in tracker.timeline),
+            "events": len(tracker.timeline),
         }
     finally:
         tracker.close()
 
 
+def _numbers(measured):
+    """What a measurement finds, without how many timeline events it took (a replayed
+    tile is one)."""
+    return {k: v for k, v in measured.items() if k != "events"}
+
+
 def _same_with_and_without(model, plan, shape, amp=None):
     ran = _measured(model, plan, shape, replays=False, amp=amp)
     booked = _measured(model, plan, shape, replays=True, amp=amp)
-    assert booked == ran
+    assert _numbers(booked) == _numbers(ran)
     return ran
 
 
@@ -154,7 +169,7 @@ def test_repeats_booked_across_measurements_measure_what_running_them_does(monke
     ran_alone = len(calls)
     after_first, again = _shared_measured(net, [first, second, second], shape, calls)[1:]
     for booked in (after_first, again):
-        for key in ("peak", "at", "host", "flops"):
+        for key in ("peak", "at", "host", "flops", "windows", "top"):
             assert booked[key] == alone[key], key
         assert sum(booked["breakdown"].values()) == booked["peak"]
     assert after_first["tiles"] < ran_alone
@@ -190,6 +205,62 @@ def test_a_booked_repeat_raises_the_peak_where_it_passes_it():
         bigger = torch.empty(1 << 18, device="meta")  # a later peak of its own
         assert tracker.peak_modules() == ()
         del bigger
+
+
+@pytest.mark.parametrize("norm", ["instance", "batch"])
+def test_a_pass_seen_before_books_its_middle_tiles_as_one_series(monkeypatch, norm):
+    # rule 9: measured again in one shared scope, a plan books each pass's tiles between
+    # the first and the last that runs as one series (one timeline event), and measures
+    # what it does alone: peak, the module there, host peak, FLOPs, window peaks
+    net = _dynunet(NORM_NAMES[norm], torch.float32)
+    shape = (1, 1, 16, 16, 16)
+    plan = Plan(regions=[Region("input_block", decision="tile", tile=[16, 4, 4]),
+                         Region("upsamples.1", decision="tile", tile=[16, 4, 4])])
+    alone = _measured(net, plan, shape, replays=True)
+    series = []
+    original = MemoryTracker.book_series
+
+    def book_series(self, s):
+        series.append(len(s.pieces))
+        return original(self, s)
+
+    monkeypatch.setattr(MemoryTracker, "book_series", book_series)
+    first, again = _shared_measured(net, [plan, plan], shape, [])
+    for key in ("peak", "at", "host", "flops", "windows", "top"):
+        assert again[key] == first[key] == alone[key], key
+    assert series and min(series) >= 2  # 16 tiles a pass: 14 or 15 booked at once
+    assert again["events"] < first["events"]
+
+
+def test_a_series_booked_under_a_limit_stops_where_its_tiles_one_by_one_do():
+    # rule 9 under NOTE [ Bounded measurements ]: where booking a series at once could
+    # pass a limit, its pieces are booked one by one: the same stop, at the same bytes
+    # and FLOPs, as booking them in turn
+    pieces = [Repeat(0, 0, [], high, 0, ("conv3d", "forward"), (f"tile{i}",),
+                     (("forward", 10),)) for i, high in enumerate([100, 300, 200, 300])]
+    series = RepeatSeries.of(pieces)
+    assert series.joined.high == 300 and series.joined.at == ("tile1",)
+    assert series.flops == 40
+
+    def stopped(book):
+        with stop_above(500, None), MemoryTracker("meta", replays=True) as tracker:
+            held = torch.empty(64, device="meta")  # 256 bytes live: 256 + 300 > 500
+            try:
+                book(tracker)
+            except LimitExceeded as stop:
+                return stop.peak_bytes, stop.flops, tracker.peak_modules(), held.nbytes
+        raise AssertionError("no stop")
+
+    def one_by_one(tracker):
+        for piece in pieces:
+            tracker.book(piece)
+
+    assert stopped(lambda t: t.book_series(series)) == stopped(one_by_one) == \
+        (256 + 300, 20, ("tile1",), 256)  # at the second tile
+    with MemoryTracker("meta", replays=True) as tracker:  # no limit: at once, one event
+        tracker.book_series(series)
+        assert tracker.peak_bytes == 300 and tracker.peak_modules() == ("tile1",)
+        assert tracker.flops["forward"] == 40 and len(tracker.timeline) == 1
 
 
 def test_the_shared_scope_is_gone_after_an_exception():
@@ -328,7 +399,7 @@ def test_a_stashed_run_books_the_passes_it_shares_with_the_unstashed_one(monkeyp
     monkeypatch.setattr(remat3d.runtime.tiling.tiled.TiledRun, "run_tile", _counting(calls))
     alone = _measured(net, stashed, shape, replays=True)
     ran_alone = len(calls)
-    assert alone == _measured(net, stashed, shape, replays=False)
+    assert _numbers(alone) == _numbers(_measured(net, stashed, shape, replays=False))
     after_plain = _shared_measured(net, [plain, stashed], shape, calls)[1]
     for key in ("peak", "at", "host", "flops"):
         assert after_plain[key] == alone[key], key

@@ -30,6 +30,8 @@ class Measured(NamedTuple):
     # False: stopped at a limit (``Limits``); ``peak_bytes`` and ``flops`` are then lower
     # bounds of the step's, ``peak_module`` where it passed the limit, the rest unknown
     complete: bool = True
+    # when the peak was reached: "forward" or "backward" (None: unknown)
+    peak_phase: str | None = None
 
     def answers(self, within: Limits | None) -> bool:
         """Whether this measurement answers a request made ``within`` those limits:

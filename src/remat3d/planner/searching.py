@@ -46,7 +46,9 @@ from remat3d.planner.tiled_plans import (
 from remat3d.planner.tiling import (
     extend_layout,
     layouts,
+    stage_at,
     stage_norms,
+    stage_producers,
     stage_readers,
     storing_saves,
 )
@@ -149,6 +151,7 @@ class _Search:
         candidate.verified_peak_bytes, candidate.recompute_flops = m.peak_bytes, m.recompute_flops
         candidate.verified_host_bytes = m.host_bytes or None
         candidate.verified_peak_module = m.peak_module
+        candidate.verified_peak_phase = m.peak_phase
         candidate.verified_tiled_peaks = {k: dict(v) for k, v in m.tiled_peaks.items()}
         candidate.extra_flops = m.flops - self.p.step_flops
         candidate.step_flops = self.p.step_flops
@@ -243,8 +246,10 @@ class _Search:
                     st.index for r, st in staged_regions(tiled, self.stages)
                     if r.decision == Decision.TILE})
                 # NOTE [ Tiling layouts ] rules 8, 9 and 4: the room the layout left
-                tiled = store_tiled_outputs(tiled, self.budget, self.stages, self.check,
-                                            saves, readers)
+                tiled = store_tiled_outputs(
+                    tiled, self.budget, self.stages, self.check, saves, readers,
+                    stage_producers(self.p.graph, self.stages),
+                    lambda module: stage_at(self.p.graph, self.stages, module))
                 tiled = untile_where_room(tiled, self.budget, self.stages, self.check,
                                           norms, readers, self.p.options.recomputable)
                 tiled = stash_where_room(tiled, self.budget, self.stages, self.check, norms,

@@ -17,7 +17,7 @@ from remat3d.errors import TilingError
 from remat3d.planner.measured import Limits
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.stages import KEEP, RECOMPUTE, SELECTIVE, Stage, StageModel
-from remat3d.planner.tiling import Layout
+from remat3d.planner.tiling import MODEL_INPUT, Layout
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes
 
@@ -359,9 +359,52 @@ def first_fitting_layout(candidates: Iterable[Layout], stages: StageModel,
     return repair(None), smallest
 
 
+def _gradient_at_peak(plan: Plan, stages: StageModel, p: int,
+                      readers: list[set[int | None]] | None,
+                      producers: list[set[int | None]] | None,
+                      stage_of: Callable[[str | None], int | None] | None) -> int:
+    """The bytes of fused stage ``p``'s output's gradient, whole at ``plan``'s verified
+    peak once that output is stored (NOTE [ Tiling layouts ] rule 8), else 0: the peak
+    was reached in backward at a stage after ``p`` and before the last run reading it
+    (its gradient, whole from that run's backward until ``p``'s), outside those runs and
+    the fused stages they compute, and the fused stages computing ``p`` read nothing but
+    the model's input (a whole input's gradient would be deferred instead). ``stage_of``:
+    the stage running a module (``tiling.stage_at``)."""
+    if readers is None or producers is None or stage_of is None or \
+            plan.verified_peak_phase != "backward":
+        return 0
+    s = stage_of(plan.verified_peak_module)
+    fused = {st.index for r, st in staged_regions(plan, stages)
+             if r.decision == Decision.TILE and r.fuse}
+    chain, todo = {p}, [p]  # p and the fused stages its runs compute
+    while todo:
+        for q in producers[todo.pop()]:
+            if q in fused and q not in chain:
+                chain.add(q)
+                todo.append(q)  # type: ignore[arg-type]
+            elif q not in chain and q != MODEL_INPUT:
+                return 0
+    runs: set[int] = set()  # the runs reading p, themselves or through fused stages
+    todo = [p]
+    while todo:
+        for r in readers[todo.pop()]:
+            if r is None:
+                return 0  # the loss or a parent's ops read it: its gradient's span unknown
+            if r in fused:
+                chain.add(r)  # computed inside those runs too
+                todo.append(r)
+            else:
+                runs.add(r)
+    if s is None or not runs or not p < s < max(runs) or s in runs or s in chain:
+        return 0
+    return stages.stages[p].output_bytes
+
+
 def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Check,
                         saves: list[float],
-                        readers: list[set[int | None]] | None = None) -> Plan:
+                        readers: list[set[int | None]] | None = None,
+                        producers: list[set[int | None]] | None = None,
+                        stage_of: Callable[[str | None], int | None] | None = None) -> Plan:
     """A tiled plan's fused, rebuilt and host-resident outputs stored on the device where
     the verified peak still fits (NOTE [ Tiling layouts ] rule 8), the largest expected
     saving first.
@@ -379,7 +422,10 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
     the room the budget has left above the verified peak, by the stage model's bytes
     (a rebuilt output that a reader rebuilds whole is whole in that reader's backward
     already: measured; one that every reader computes in tiles, rule 12, is never whole
-    after its forward: checked; ``readers`` per stage, ``tiling.stage_readers``).
+    after its forward: checked; ``readers`` per stage, ``tiling.stage_readers``). A fused
+    output's gradient is counted too where it would be whole at the verified peak
+    (``_gradient_at_peak``; ``producers`` per stage, ``tiling.stage_producers``, and
+    ``stage_of``, ``tiling.stage_at``).
     """
     steps = [(r, st) for r, st in staged_regions(best, stages)
              if r.decision == Decision.TILE and (r.fuse or r.host or r.rebuild)
@@ -402,10 +448,14 @@ def store_tiled_outputs(best: Plan, budget: int, stages: StageModel, check: Chec
             added, room = 0, 0
         else:
             added = st.output_bytes
+            if region.fuse:
+                added += _gradient_at_peak(current, stages, st.index, readers, producers,
+                                           stage_of)
             room = min((_room(current, budget, r.label) for r in runs or ()),
                        default=budget - (current.verified_peak_bytes or 0))
         if added > room:
-            log.info("%s: its output (%s) does not fit the room left; not stored", region.label,
+            log.info("%s: its output%s (%s) does not fit the room left; not stored",
+                     region.label, " and its gradient" if added > st.output_bytes else "",
                      format_bytes(added))
             return
         log.info("trying %s with its output stored on the device", region.label)

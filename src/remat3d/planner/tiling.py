@@ -124,6 +124,14 @@ NOTE [ Tiling layouts ]
      GiB and 5.0x the FLOPs became its decoder's two top stages stored; now ``chain+
      rebuild`` at an eighth of the edge (23.20 GiB, 3.5x) keeps its half-resolution
      decoder stage's output stored and both encoder skips rebuilt.
+     A fused output stored is whole on the device from its forward until its last
+     reader's backward, and so is its gradient from its first reader's backward until its
+     own: where the verified peak was reached in backward between the two, outside the
+     runs that read or compute it, and the fused run computing it read nothing but the
+     model's input (nothing else whose gradient storing defers instead,
+     ``stage_producers``), a trial needs room for both (ResEnc-L at 512³ bf16, 12 GiB: a
+     2 GiB encoder skip stored failed at 12.41 GiB over a 8.41 GiB peak, three such
+     trials 8 s of the search).
   9. Then each tiled stage whose output is stored on the device is run whole instead
      (recomputed, like the layout's untiled stages) where the verified peak still fits
      and the extra FLOPs fall, the most normalisation passes saved first (a tiled stage
@@ -186,8 +194,9 @@ from remat3d.decisions import TiledOutput
 from remat3d.graph import CostGraph
 from remat3d.planner.stages import StageModel
 
-__all__ = ["FUSE_MODES", "OUTPUTS", "Layout", "extend_layout", "layouts", "stage_at",
-           "stage_levels", "stage_norms", "stage_readers", "storing_saves"]
+__all__ = ["FUSE_MODES", "MODEL_INPUT", "OUTPUTS", "Layout", "extend_layout", "layouts",
+           "stage_at", "stage_levels", "stage_norms", "stage_producers", "stage_readers",
+           "storing_saves"]
 
 # rule 5's order in a level
 FUSE_MODES = ("none", "host", "chain", "chain+host", "rebuild", "chain+rebuild", "all")
@@ -263,6 +272,22 @@ def stage_readers(graph: CostGraph, model: StageModel) -> list[set[int | None]]:
         if not made:  # nothing reads it inside the step but the loss
             readers[s].add(None)
     return readers
+
+
+MODEL_INPUT = -1  # a stage's producer: the model's input (the graph's edges' source -1)
+
+
+def stage_producers(graph: CostGraph, model: StageModel) -> list[set[int | None]]:
+    """Per stage, the stages whose outputs it reads (:data:`MODEL_INPUT`: the model's
+    input; None: anything else, a parent's own ops)."""
+    member = _stage_members(graph, model)
+    producers: list[set[int | None]] = [set() for _ in model.stages]
+    for e in graph.edges:
+        s = member.get(e.dst)
+        src = MODEL_INPUT if e.src == -1 else member.get(e.src)
+        if s is not None and src != s:
+            producers[s].add(src)
+    return producers
 
 
 def _edges(shape: list[int] | None) -> tuple[int, int, int] | None:

@@ -151,7 +151,15 @@ from torch.autograd.function import once_differentiable
 
 from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
 from remat3d.instrument.state import is_recomputing, recomputing
-from remat3d.instrument.tracker import Repeat, active_tracker, replaying_tracker, shared_repeat
+from remat3d.instrument.tracker import (
+    HOST,
+    Repeat,
+    RepeatSeries,
+    active_tracker,
+    replaying_tracker,
+    shared_repeat,
+    shared_series,
+)
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.replay import AmpState
 from remat3d.runtime.tiling.execute import (
@@ -531,9 +539,7 @@ class TiledRun:
                             for shape, dtype in zip(tr.out_shapes, tr.out_dtypes)]
                 repeats = _Repeats(self, ("forward", j, _layout(inputs)), inputs,
                                    last_runs=j == n and not rebuilding, stashing=stashing)
-                for k in range(len(self.tiles)):
-                    if repeats.replayed(k):
-                        continue
+                for k in repeats.to_run():
                     with repeats.recording(k):
                         if j == n:
                             self._output_tile(k, inputs, outs, stashing, rebuilding)
@@ -606,9 +612,7 @@ class TiledRun:
                 sum_g: torch.Tensor | None = None
                 sum_gx: torch.Tensor | None = None
                 repeats = _Repeats(self, ("sums", j, *given), inputs, stashing=stashing)
-                for k in range(len(self.tiles)):
-                    if repeats.replayed(k):
-                        continue
+                for k in repeats.to_run():
                     with repeats.recording(k):
                         sums = self._norm_sums_tile(k, j, inputs, dys, needs, stashing)
                         if sums is not None:
@@ -635,9 +639,7 @@ class TiledRun:
         dparams: list[torch.Tensor | None] = [None] * len(params)
         repeats = _Repeats(self, ("final", *given), inputs)
         with self._window("final"):
-            for k in range(len(self.tiles)):
-                if repeats.replayed(k):
-                    continue
+            for k in repeats.to_run():
                 with repeats.recording(k):
                     self._backward_tile(k, inputs, dys, needs, params, dx, dparams)
         dx = [None if slot is not None else g for g, slot in zip(dx, slots)]
@@ -792,21 +794,64 @@ class _Repeats:
             run.digest(), tag, _stashing_key(run, stashing), torch.is_grad_enabled(),
             is_recomputing(), self.tracker.phase, repr(AmpState.capture(run.device)))
 
-    def replayed(self, k: int) -> bool:
+    def to_run(self) -> Iterator[int]:
+        """The pass's tiles to run, in order (each inside :meth:`recording`); the others
+        are booked. The tiles between the first and the last that runs start where the
+        one before them did (each ends where it started, or none is booked), so where
+        ``shared_repeats()`` holds their series from an earlier pass with this key, they
+        are booked at once (rule 9); a pass whose middle tiles all left a repeat, at the
+        same live bytes, keeps its series for the next."""
+        n = len(self.run.tiles)
+        if self.tracker is None or n < 3:
+            for k in range(n):
+                if self.booked(k) is None:
+                    yield k
+            return
+        tracker = self.tracker
+        middle = range(1, n - 1 if self.last_runs else n)
+        key = (self.tag, "series", self.last_runs,
+               tuple(self.shapes(k) for k in middle) if self.sources else None)
+        yield 0
+        series = shared_series(key)
+        if series is not None:
+            tracker.book_series(series)
+        else:
+            pieces: list[Repeat] | None = []
+            start = (tracker.live(), tracker.ledger.live_bytes.get(HOST, 0))
+            for k in middle:
+                if pieces is not None and \
+                        (tracker.live(), tracker.ledger.live_bytes.get(HOST, 0)) != start:
+                    pieces = None
+                repeat = self.booked(k)
+                if repeat is None:
+                    yield k  # run: its record, if it left one (else the next tile
+                    repeat = self.seen.get(self.shapes(k))  # starts elsewhere: checked)
+                if pieces is not None:
+                    if repeat is None:
+                        pieces = None
+                    else:
+                        pieces.append(repeat)
+            if pieces and (tracker.live(), tracker.ledger.live_bytes.get(HOST, 0)) == start:
+                shared_series(key, RepeatSeries.of(pieces))
+        if self.last_runs:
+            yield n - 1
+
+    def booked(self, k: int) -> Repeat | None:
+        """Book tile ``k`` where a record of its shapes allows (rules 3 and 5): the record
+        booked, or None (run it)."""
         # the first tile runs: it makes the pass's accumulators (statistics, sums,
         # gradients), which a booked mirror of it (rule 6) would not
         if self.tracker is None or k == 0 or \
                 (self.last_runs and k == len(self.run.tiles) - 1):
-            return False
+            return None
         shapes = self.shapes(k)
         repeat = self.seen.get(shapes)
         if repeat is not None and self.tracker.replay(repeat):
-            return True
+            return repeat
         repeat = shared_repeat((self.tag, shapes))
-        if repeat is None:
-            return False
-        self.tracker.book(repeat)
-        return True
+        if repeat is not None:
+            self.tracker.book(repeat)
+        return repeat
 
     def shapes(self, k: int) -> tuple:
         if not self.sources:
