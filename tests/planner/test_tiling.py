@@ -651,7 +651,7 @@ def test_fused_outputs_are_stored_where_they_fit_largest_saving_first(graph_and_
     assert store_tiled_outputs(hosted, 110, stages, check_host, saves) is hosted
 
 
-def test_a_fused_output_stored_needs_room_for_its_gradient_where_the_peak_was(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
+def test_a_stored_fused_output_needs_room_for_its_gradient_at_the_peak(graph_and_stages) -> None:  # type: ignore[no-untyped-def]
     """NOTE [ Tiling layouts ] rule 8: a fused output stored is whole, and so is its
     gradient from its first reader run's backward until its own; where the verified peak
     was reached in backward between them (outside the runs computing it), a trial needs
