@@ -232,6 +232,35 @@ def test_a_pass_seen_before_books_its_middle_tiles_as_one_series(monkeypatch, no
     assert again["events"] < first["events"]
 
 
+def test_a_runs_geometry_is_laid_out_once_across_measurements(monkeypatch):
+    # rule 10: within one shared scope, a run with the same trace and tile is laid out
+    # once; measured again, the plan measures the same
+    net = _dynunet(NORM_NAMES["instance"], torch.float32)
+    shape = (1, 1, 16, 16, 16)
+    plan = Plan(regions=[Region("input_block", decision="tile", tile=[16, 4, 4]),
+                         Region("upsamples.1", decision="tile", tile=[16, 4, 4])])
+    alone = _measured(net, plan, shape, replays=True)
+    geometry = remat3d.runtime.tiling.tiled._Geometry
+    laid_out = []
+    original = geometry.of
+
+    def of(tr, tile):
+        laid_out.append(tile)
+        return original(tr, tile)
+
+    monkeypatch.setattr(geometry, "of", staticmethod(of))
+    with shared_repeats():
+        first = _measured(net, plan, shape, replays=True)
+        once = len(laid_out)
+        again = _measured(net, plan, shape, replays=True)
+    assert once >= 2 and len(laid_out) == once  # none laid out again
+    assert _numbers(first) == _numbers(alone)
+    for key in ("peak", "at", "host", "flops", "windows", "top"):
+        assert again[key] == alone[key], key
+    _measured(net, plan, shape, replays=True)  # outside the scope: laid out anew
+    assert len(laid_out) == 2 * once
+
+
 def test_a_series_booked_under_a_limit_stops_where_its_tiles_one_by_one_do():
     # rule 9 under NOTE [ Bounded measurements ]: where booking a series at once could
     # pass a limit, its pieces are booked one by one: the same stop, at the same bytes

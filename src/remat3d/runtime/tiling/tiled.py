@@ -144,6 +144,7 @@ import contextvars
 import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -159,6 +160,7 @@ from remat3d.instrument.tracker import (
     replaying_tracker,
     shared_repeat,
     shared_series,
+    shared_value,
 )
 from remat3d.runtime.guards import BufferGuard, ModuleStack
 from remat3d.runtime.replay import AmpState
@@ -262,58 +264,24 @@ class TiledRun:
         with recomputing():
             self.trace: Trace = trace(fn, inputs, self.device)
         self.tile = _tile_size(tile)
+        self._digest: str | None = None
+        # where the tiles lie and what each computes: a function of the trace and the
+        # tile, kept across a search's candidates (NOTE [ Repeats on meta ] rule 10)
+        geometry = shared_value(lambda: ("geometry", self.digest()),
+                                lambda: _Geometry.of(self.trace, self.tile))
+        self.tiles = geometry.tiles
+        self.plans = geometry.plans
+        self.owned = geometry.owned
+        self.out_owned = geometry.out_owned  # per tile: the part of each output it writes
+        self.flips = geometry.flips
+        self.shapes = geometry.shapes
+        self.isotropic, self.cubic, self.keys = geometry.isotropic, geometry.cubic, geometry.keys
         tr = self.trace
-        out_size = tr.sizes[tr.outputs[0]]
-        self.tiles: list[Region] = tile_grid(out_size, self.tile)
-        self.plans: list[dict[int, Region]] = []
-        self.owned: list[dict[int, Region]] = []
-        self.out_owned: list[list[Region]] = []   # per tile: the part of each output it writes
-        for t in self.tiles:
-            owned = {j: owned_region(t, out_size, tr.sizes[tr.ops[i].spatial.inputs[0]])
-                     for j, i in enumerate(tr.norms)}
-            outs = [owned_region(t, out_size, tr.sizes[node]) for node in tr.outputs]
-            targets: dict[int, Region] = {}
-            for node, region in zip(tr.outputs, outs):
-                targets[node] = region
-            for j, i in enumerate(tr.norms):  # the owned part of every norm is computed
-                node = tr.ops[i].spatial.output
-                targets[node] = union(targets.get(node), owned[j])
-            self.plans.append(needed_regions(tr.spatial_ops, tr.sizes, targets))
-            self.owned.append(owned)
-            self.out_owned.append(outs)
-        used = set().union(*(plan.keys() for plan in self.plans))
-        for op in tr.ops:
-            if op.spatial.output not in used:
-                raise TilingError(
-                    f"The result of {op.name} in module '{op.module}' is not used by the "
-                    "run's outputs; a tiled run must be one computation ending in the "
-                    "tensors it returns.")
         self.stats = [Stats(tr.ops[i].norm) for i in tr.norms]  # type: ignore[arg-type]
-        # what a tile's ops depend on, but where it lies (NOTE [ Repeats on meta ] rule 1),
-        # a tile at the far end of an axis seen as its mirror image (rule 6)
-        sizes = {**tr.sizes}
-        self.flips = [tuple(hi == n and lo != 0 for (lo, hi), n in zip(t, out_size))
-                      for t in self.tiles]
-        self.shapes = [
-            (tuple((node, _shape(region, sizes[node], flip))
-                   for node, region in sorted(plan.items())),
-             tuple(_shape(r, tr.sizes[tr.ops[i].spatial.inputs[0]], flip)
-                   for r, i in zip(owned.values(), tr.norms)),
-             tuple(_shape(r, tr.sizes[node], flip) for r, node in zip(outs, tr.outputs)))
-            for plan, owned, outs, flip in zip(self.plans, self.owned, self.out_owned,
-                                               self.flips)]
-        # rule 7: where the ops and the tile treat the axes alike, a tile keyed as the
-        # axis order that names it least
-        self.isotropic = _isotropic(tr)
-        self.cubic = self.isotropic and len(set(self.tile)) == 1
-        least = {key: _least_axis_order(key) if self.cubic else key
-                 for key in set(self.shapes)}  # (a few kinds of tile, many tiles)
-        self.keys = [least[key] for key in self.shapes]
         self.sourced_keys: dict[tuple, tuple] = {}  # with rebuilt inputs' keys: reduced
         self.stash_nodes = self._stash_nodes() if stash else {}
         self.rebuild_in_tiles = False  # NOTE [ Rebuilt tiled outputs ] rule 7
         self._region_plans: dict[Region, dict[int, Region]] = {}
-        self._digest: str | None = None
 
     def digest(self) -> str:
         """Everything a tile's work depends on besides its shapes and the pass (NOTE
@@ -700,6 +668,70 @@ def _layout(tensors: Sequence[torch.Tensor | TileSource | None]) -> tuple:
     """Shapes, strides and dtypes (what views of them do depends on)."""
     return tuple(None if t is None else t.layout() if isinstance(t, TileSource)
                  else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Where a run's tiles lie and what each computes (NOTE rule 1), and how a tile is
+    keyed on meta (NOTE [ Repeats on meta ] rules 1, 6 and 7): a function of the run's
+    trace and tile alone. Read only."""
+
+    tiles: list[Region]
+    plans: list[dict[int, Region]]     # per tile: what each node computes
+    owned: list[dict[int, Region]]     # per tile: each normalisation's input it owns
+    out_owned: list[list[Region]]      # per tile: the part of each output it writes
+    flips: list[tuple[bool, ...]]      # per tile: the axes it is seen mirrored on
+    shapes: list[tuple]                # per tile: what its ops depend on but where it lies
+    isotropic: bool
+    cubic: bool
+    keys: list[tuple]                  # per tile: its shapes in their least axis order
+
+    @staticmethod
+    def of(tr: Trace, tile: tuple[int, int, int]) -> _Geometry:
+        out_size = tr.sizes[tr.outputs[0]]
+        tiles: list[Region] = tile_grid(out_size, tile)
+        plans: list[dict[int, Region]] = []
+        owned_: list[dict[int, Region]] = []
+        out_owned: list[list[Region]] = []
+        for t in tiles:
+            owned = {j: owned_region(t, out_size, tr.sizes[tr.ops[i].spatial.inputs[0]])
+                     for j, i in enumerate(tr.norms)}
+            outs = [owned_region(t, out_size, tr.sizes[node]) for node in tr.outputs]
+            targets: dict[int, Region] = {}
+            for node, region in zip(tr.outputs, outs):
+                targets[node] = region
+            for j, i in enumerate(tr.norms):  # the owned part of every norm is computed
+                node = tr.ops[i].spatial.output
+                targets[node] = union(targets.get(node), owned[j])
+            plans.append(needed_regions(tr.spatial_ops, tr.sizes, targets))
+            owned_.append(owned)
+            out_owned.append(outs)
+        used = set().union(*(plan.keys() for plan in plans))
+        for op in tr.ops:
+            if op.spatial.output not in used:
+                raise TilingError(
+                    f"The result of {op.name} in module '{op.module}' is not used by the "
+                    "run's outputs; a tiled run must be one computation ending in the "
+                    "tensors it returns.")
+        # what a tile's ops depend on, but where it lies (NOTE [ Repeats on meta ] rule
+        # 1), a tile at the far end of an axis seen as its mirror image (rule 6)
+        flips = [tuple(hi == n and lo != 0 for (lo, hi), n in zip(t, out_size))
+                 for t in tiles]
+        shapes = [
+            (tuple((node, _shape(region, tr.sizes[node], flip))
+                   for node, region in sorted(plan.items())),
+             tuple(_shape(r, tr.sizes[tr.ops[i].spatial.inputs[0]], flip)
+                   for r, i in zip(owned.values(), tr.norms)),
+             tuple(_shape(r, tr.sizes[node], flip) for r, node in zip(outs, tr.outputs)))
+            for plan, owned, outs, flip in zip(plans, owned_, out_owned, flips)]
+        # rule 7: where the ops and the tile treat the axes alike, a tile keyed as the
+        # axis order that names it least
+        isotropic = _isotropic(tr)
+        cubic = isotropic and len(set(tile)) == 1
+        least = {key: _least_axis_order(key) if cubic else key
+                 for key in set(shapes)}  # (a few kinds of tile, many tiles)
+        return _Geometry(tiles, plans, owned_, out_owned, flips, shapes, isotropic, cubic,
+                         [least[key] for key in shapes])
 
 
 def _shape(region: Region, size: Sequence[int], flip: Sequence[bool] = (False,) * 3
