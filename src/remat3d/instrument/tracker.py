@@ -269,19 +269,35 @@ def shared_repeats() -> Iterator[None]:
         _SHARED.reset(token)
 
 
-def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
-    """The repeat kept under ``key`` (rule 5), after keeping ``repeat`` there if given and
-    none is; None outside :func:`shared_repeats`."""
+def _kept(key: Hashable, make: Callable[[], Any] | None) -> Any:
+    """What :func:`shared_repeats` keeps under ``key``, after keeping ``make()`` there if
+    given and none is (the scope emptied when full, like the meta cache); None outside
+    it."""
     shared = _SHARED.get()
     if shared is None:
         return None
     kept = shared.get(key)
-    if kept is None and repeat is not None:
+    if kept is None and make is not None:
         if len(shared) >= _SHARED_LIMIT:
             shared.clear()
-        # what booking reads: not its ops' FLOPs one by one
-        kept = shared[key] = replace(repeat, flops=[])
+        kept = shared[key] = make()
+    return kept
+
+
+def shared_repeat(key: Hashable, repeat: Repeat | None = None) -> Repeat | None:
+    """The repeat kept under ``key`` (rule 5), after keeping ``repeat`` there if given and
+    none is; None outside :func:`shared_repeats`."""
+    # what booking reads: not its ops' FLOPs one by one
+    kept = _kept(key, None if repeat is None else lambda: replace(repeat, flops=[]))
     assert kept is None or isinstance(kept, Repeat)
+    return kept
+
+
+def shared_series(key: Hashable, series: RepeatSeries | None = None) -> RepeatSeries | None:
+    """The series kept under ``key`` (rule 9), after keeping ``series`` there if given and
+    none is; None outside :func:`shared_repeats`."""
+    kept = _kept(key, None if series is None else lambda: series)
+    assert kept is None or isinstance(kept, RepeatSeries)
     return kept
 
 
@@ -289,31 +305,9 @@ def shared_value(key: Callable[[], Hashable], make: Callable[[], T]) -> T:
     """Inside :func:`shared_repeats`, the value kept under ``key()``, made by ``make()``
     where none is (rule 10: a tiled run's geometry); outside it, ``make()`` (``key`` is
     not called)."""
-    shared = _SHARED.get()
-    if shared is None:
+    if _SHARED.get() is None:
         return make()
-    k = key()
-    kept = shared.get(k)
-    if kept is None:
-        if len(shared) >= _SHARED_LIMIT:
-            shared.clear()
-        kept = shared[k] = make()
-    return kept  # type: ignore[no-any-return]
-
-
-def shared_series(key: Hashable, series: RepeatSeries | None = None) -> RepeatSeries | None:
-    """The series kept under ``key`` (rule 9), after keeping ``series`` there if given and
-    none is; None outside :func:`shared_repeats`."""
-    shared = _SHARED.get()
-    if shared is None:
-        return None
-    kept = shared.get(key)
-    if kept is None and series is not None:
-        if len(shared) >= _SHARED_LIMIT:
-            shared.clear()
-        kept = shared[key] = series
-    assert kept is None or isinstance(kept, RepeatSeries)
-    return kept
+    return _kept(key(), make)  # type: ignore[no-any-return]
 
 
 # NOTE [ Bounded measurements ]
