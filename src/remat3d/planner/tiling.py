@@ -130,7 +130,7 @@ NOTE [ Tiling layouts ]
      runs that read or compute it, and the fused run computing it read nothing but the
      model's input (nothing else whose gradient storing defers instead,
      ``stage_producers``), a trial needs room for both (ResEnc-L at 512³ bf16, 12 GiB: a
-     2 GiB encoder skip stored failed at 12.41 GiB over a 8.41 GiB peak, three such
+     2 GiB encoder skip stored failed at 12.41 GiB over an 8.41 GiB peak, three such
      trials 8 s of the search).
   9. Then each tiled stage whose output is stored on the device is run whole instead
      (recomputed, like the layout's untiled stages) where the verified peak still fits
