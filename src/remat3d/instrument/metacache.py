@@ -47,6 +47,7 @@ __all__ = ["META_KERNELS", "MetaKernelCache"]
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format)
+_PLAIN_TYPES = frozenset(_PLAIN)  # exactly these (a subclass takes the isinstance path)
 _BYPASS_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.data_dependent_output,
                 torch.Tag.dynamic_output_shape, torch.Tag.inplace_view)
 
@@ -104,7 +105,11 @@ def _key_of(value: Any, parts: list[Any]) -> None:
     elif isinstance(value, (list, tuple)):
         parts.append((type(value), len(value)))
         for v in value:
-            _key_of(v, parts)
+            kind = type(v)
+            if kind in _PLAIN_TYPES:  # the ints of shapes, mostly: as below, in line
+                parts.append((kind, v))
+            else:
+                _key_of(v, parts)
     elif isinstance(value, _PLAIN):
         parts.append((type(value), value))
     else:  # a subclass tensor, a SymInt, a generator, anything else: not keyed
