@@ -111,6 +111,8 @@ def test_optimal_tiles_below_the_recomputation_floor() -> None:
     plan = remat3d.plan(net, SHAPE, budget=smallest)
     assert any(r.decision == "tile" for r in plan.regions)
     assert plan.verified_peak_bytes is not None and plan.verified_peak_bytes <= smallest
+    # where and when the verified peak was (what rule 8 reads of it)
+    assert plan.verified_peak_phase in ("forward", "backward")
     with pytest.raises(InfeasibleBudgetError, match="tile=True"):
         remat3d.plan(net, SHAPE, budget=smallest, tile=False)  # the caller said no
     untiled_floor = remat3d.plan(net, SHAPE, budget="1x")  # no tiling needed
