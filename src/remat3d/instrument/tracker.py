@@ -428,6 +428,11 @@ class MemoryTracker(TorchDispatchMode):
         """Live bytes on the tracked device now."""
         return self.ledger.live_bytes.get(self.device, 0)
 
+    def levels(self) -> tuple[int, int]:
+        """Live bytes now on the tracked device and in host memory (where a repeat starts
+        and must end, NOTE [ Repeats on meta ] rule 2)."""
+        return self.live(), self.ledger.live_bytes.get(HOST, 0)
+
     def register(self, tensors: Any, category: str) -> None:
         """Count tensors that exist before tracking starts (weights, buffers, inputs)."""
         for t in tree_leaves(tensors):
@@ -544,8 +549,8 @@ class MemoryTracker(TorchDispatchMode):
     def begin_repeat(self) -> _Recording:
         """Start recording a piece of work that may repeat (hand the result to
         :meth:`end_repeat`)."""
-        host = self.ledger.live_bytes.get(HOST, 0)
-        recording = _Recording(self.live(), host, len(self.timeline), host_top=host)
+        live, host = self.levels()
+        recording = _Recording(live, host, len(self.timeline), host_top=host)
         self._recordings.append(recording)
         return recording
 
@@ -554,7 +559,7 @@ class MemoryTracker(TorchDispatchMode):
         left memory allocated or freed (the next run would start elsewhere)."""
         self._recordings.remove(start)
         live, host = start.live, start.host
-        if self.live() != live or self.ledger.live_bytes.get(HOST, 0) != host:
+        if self.levels() != (live, host):
             return None
         high, top = 0, None
         for i in range(start.first, len(self.timeline)):
@@ -575,7 +580,7 @@ class MemoryTracker(TorchDispatchMode):
         at or below where it started, on the device and the host, so it cannot raise a
         peak; its FLOPs are added, and one timeline event at its high-water mark (rule 3).
         False: run it."""
-        live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
+        live, host = self.levels()
         if live > repeat.live or host > repeat.host:
             return False
         for key, flops in repeat.flops:
@@ -588,7 +593,7 @@ class MemoryTracker(TorchDispatchMode):
         live bytes now (rule 5): its high-water mark on top of them raises the peak where
         it passes it; its FLOPs are added and its timeline is one event, that high-water
         mark, attributed to the invocation running now."""
-        live, host = self.live(), self.ledger.live_bytes.get(HOST, 0)
+        live, host = self.levels()
         node = self._high_water_event(repeat, live)
         for phase, flops in repeat.phase_flops:
             self._add_flops((node, phase), flops)

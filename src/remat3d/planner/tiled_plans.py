@@ -90,25 +90,45 @@ def layout_regions(stages: StageModel, layout: Layout,
     return regions
 
 
+def _fused(plan: Plan, stages: StageModel) -> set[int]:
+    """The stages ``plan`` fuses into their readers' tiled runs."""
+    return {st.index for r, st in staged_regions(plan, stages)
+            if r.decision == Decision.TILE and r.fuse}
+
+
+def _reading_runs(p: int, readers: list[set[int | None]], fused: set[int]
+                  ) -> tuple[set[int], set[int]] | None:
+    """The stages that read stage ``p``'s output and are not ``fused`` (the runs that
+    read it, themselves or through the fused stages they compute), and those fused
+    stages; None where the loss or a parent's own ops read it."""
+    runs: set[int] = set()
+    through: set[int] = set()
+    todo = [p]
+    while todo:
+        for s in readers[todo.pop()]:
+            if s is None:
+                return None
+            if s in fused:
+                through.add(s)
+                todo.append(s)
+            else:
+                runs.add(s)
+    return runs, through
+
+
 def _runs_in_tiles(plan: Plan, stages: StageModel, p: int,
                    readers: list[set[int | None]] | None) -> list[Region] | None:
     """The tiled runs that read stage ``p``'s output (themselves or through fused
     producers they compute), where every one computes it in tiles (NOTE [ Tiling
     layouts ] rule 12); None where one does not, or something else reads it."""
-    if readers is None:
+    found = None if readers is None else _reading_runs(p, readers, _fused(plan, stages))
+    if found is None:
         return None
     by_index = {st.index: r for r, st in staged_regions(plan, stages)}
-    todo, runs = [p], []
-    while todo:
-        for s in readers[todo.pop()]:
-            r = by_index.get(s) if s is not None else None
-            if r is None or r.decision != Decision.TILE:
-                return None  # the loss, glue or a stage run whole keeps it
-            if r.fuse:
-                todo.append(s)  # type: ignore[arg-type]
-            else:
-                runs.append(r)
-    return runs if runs and all(r.rebuild_in_tiles for r in runs) else None
+    runs = [by_index.get(s) for s in sorted(found[0])]
+    if not runs or any(r is None or r.decision != Decision.TILE for r in runs):
+        return None  # glue or a stage run whole keeps it
+    return runs if all(r.rebuild_in_tiles for r in runs) else None  # type: ignore[union-attr]
 
 
 def _reading_rebuilt(layout: Layout, readers: list[set[int | None]]) -> set[int]:
@@ -374,8 +394,7 @@ def _gradient_at_peak(plan: Plan, stages: StageModel, p: int,
             plan.verified_peak_phase != "backward":
         return 0
     s = stage_of(plan.verified_peak_module)
-    fused = {st.index for r, st in staged_regions(plan, stages)
-             if r.decision == Decision.TILE and r.fuse}
+    fused = _fused(plan, stages)
     chain, todo = {p}, [p]  # p and the fused stages its runs compute
     while todo:
         for q in producers[todo.pop()]:
@@ -384,18 +403,12 @@ def _gradient_at_peak(plan: Plan, stages: StageModel, p: int,
                 todo.append(q)  # type: ignore[arg-type]
             elif q not in chain and q != MODEL_INPUT:
                 return 0
-    runs: set[int] = set()  # the runs reading p, themselves or through fused stages
-    todo = [p]
-    while todo:
-        for r in readers[todo.pop()]:
-            if r is None:
-                return 0  # the loss or a parent's ops read it: its gradient's span unknown
-            if r in fused:
-                chain.add(r)  # computed inside those runs too
-                todo.append(r)
-            else:
-                runs.add(r)
-    if s is None or not runs or not p < s < max(runs) or s in runs or s in chain:
+    found = _reading_runs(p, readers, fused)
+    if found is None:
+        return 0  # the loss or a parent's ops read it: its gradient's span unknown
+    runs, through = found  # the fused readers are computed inside those runs too
+    if s is None or not runs or not p < s < max(runs) or s in runs or s in chain \
+            or s in through:
         return 0
     return stages.stages[p].output_bytes
 
@@ -532,7 +545,7 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     only while its run's passes do; each is whole in forward, all but the last
     normalisation's at the end of the first sums pass)."""
     staged = staged_regions(best, stages)
-    fused = {st.index for r, st in staged if r.decision == Decision.TILE and r.fuse}
+    fused = _fused(best, stages)
 
     def run_of(st: Stage) -> list[Stage]:  # the stage and the fused producers it computes
         run, todo = [st], [st.index]

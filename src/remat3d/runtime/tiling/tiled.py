@@ -153,7 +153,6 @@ from torch.autograd.function import once_differentiable
 from remat3d.halo import Region, needed_regions, owned_region, tile_grid, union
 from remat3d.instrument.state import is_recomputing, recomputing
 from remat3d.instrument.tracker import (
-    HOST,
     Repeat,
     RepeatSeries,
     active_tracker,
@@ -849,10 +848,9 @@ class _Repeats:
             tracker.book_series(series)
         else:
             pieces: list[Repeat] | None = []
-            start = (tracker.live(), tracker.ledger.live_bytes.get(HOST, 0))
+            start = tracker.levels()
             for k in middle:
-                if pieces is not None and \
-                        (tracker.live(), tracker.ledger.live_bytes.get(HOST, 0)) != start:
+                if pieces is not None and tracker.levels() != start:
                     pieces = None
                 repeat = self.booked(k)
                 if repeat is None:
@@ -863,7 +861,7 @@ class _Repeats:
                         pieces = None
                     else:
                         pieces.append(repeat)
-            if pieces and (tracker.live(), tracker.ledger.live_bytes.get(HOST, 0)) == start:
+            if pieces and tracker.levels() == start:
                 shared_series(key, RepeatSeries.of(pieces))
         if self.last_runs:
             yield n - 1
