@@ -129,6 +129,21 @@ def test_plan_command_plans_the_graph(tmp_path):
     assert result.exit_code == 2 and "Graph plans do not take offload" in result.output
 
 
+def test_plan_command_plans_for_the_fewest_flops(tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.8x", "--graph", "--objective", "flops",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    from remat3d import Plan
+
+    assert Plan.load(out).objective == "flops"
+    result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",
+                                 "--budget", "0.8x", "--objective", "memory"])
+    assert result.exit_code == 2 and "objective='memory' is not one of" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_plan_command_plans_for_compilation(tmp_path):
     out = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", "basicunet", "--input", "1x1x32x32x32",

@@ -67,6 +67,24 @@ def test_a_graph_plan_fits_applies_and_trains_exactly(tmp_path):
     planned(torch.randn(1, 1, 16, 16, 16))  # its own forward again
 
 
+def test_a_plan_for_the_fewest_flops_says_so_and_is_cached_apart(tmp_path):
+    torch.manual_seed(0)
+    model = ParentConcat("instance")
+    by_time = remat3d.plan(model, SHAPE, budget="0.75x", graph=True)
+    by_flops = remat3d.plan(model, SHAPE, budget="0.75x", graph=True, objective="flops")
+    assert by_time.objective == "time" and by_flops.objective == "flops"
+    assert by_flops.verified_peak_bytes <= by_flops.budget_bytes
+    assert by_flops.recompute_flops == 0 < by_time.recompute_flops  # not the cached plan
+    assert "objective=flops" in by_flops.summary()
+    assert "objective" not in by_time.summary()
+    by_flops.save(tmp_path / "plan.json")
+    assert remat3d.Plan.load(tmp_path / "plan.json") == by_flops
+    with pytest.raises(PlanError, match="objective='memory' is not one of time, flops"):
+        remat3d.plan(model, SHAPE, budget="0.9x", objective="memory")
+    with pytest.raises(PlanError, match="objective is 'memory'"):
+        remat3d.Plan(objective="memory")
+
+
 def test_a_bf16_graph_plan_fits_the_step_autocast_runs():
     # the casts are graph nodes: the plan's step is the one CUDA autocast runs
     model = ParentConcat("instance")

@@ -81,10 +81,11 @@ from remat3d.opgraph import OpGraph
 from remat3d.planner.graph_search import search_graph
 from remat3d.planner.liveness import convolution_floor, recompute_floor
 from remat3d.planner.measured import Limits, Measured
+from remat3d.planner.optimal import Costs
 from remat3d.planner.registry import PlannerOptions
 from remat3d.planner.searching import Problem, search
 from remat3d.planner.stages import StageModel, build_stages
-from remat3d.planspec import Plan
+from remat3d.planspec import OBJECTIVES, Plan
 from remat3d.profiling import profile
 from remat3d.runtime.apply import apply
 from remat3d.runtime.fingerprint import model_fingerprint, model_signature
@@ -180,6 +181,7 @@ def plan(
     host_budget: str | int | None = None,
     graph: bool | None = None,
     compiled: bool = False,
+    objective: str = "time",
 ) -> Plan:
     """Plan checkpointing so one training step of ``model`` fits ``budget``.
 
@@ -228,11 +230,19 @@ def plan(
             -m remat3d.bench.compile_check``), not verified. Planned without it, a
             compiled module plan can hold more than the verified peak (a warning says
             so while dynamo traces it).
+        objective: what the plan minimises among those that fit (``Plan.objective``):
+            ``"time"`` (the default) counts recomputed convolutions and matmuls in FLOPs
+            and recomputed memory-bound ops (norms, activations, ``cat``) by their
+            traffic at memory bandwidth, the time they take run unfused; ``"flops"``
+            counts FLOPs only, as torch's ``FlopCounterMode`` and torch.compile's
+            partitioner do (memory-bound recompute only breaks ties), for a plan that
+            recomputes the fewest FLOPs even where many norms and activations are
+            recomputed for it.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
-    budget, strategy, offload, tile, loss function (held weakly), host budget, verify,
-    deterministic-algorithms mode): see
+    budget, strategy, offload, tile, loss function (held weakly), host budget, verify, graph,
+    compiled, objective, deterministic-algorithms mode): see
     :func:`remat3d.runtime.fingerprint.model_signature`.
 
     >>> import torch, remat3d
@@ -243,6 +253,10 @@ def plan(
     >>> p.verified_peak_bytes <= p.budget_bytes
     True
     """
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}: "
+                        "'time' (the default) or 'flops' (FLOPs only, as torch.compile's "
+                        "partitioner counts them).")
     explicit = graph is True or strategy == "graph"  # a graph plan or an error
     if explicit:
         _graph_options(offload=offload)
@@ -258,7 +272,7 @@ def plan(
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
     key = _cache_key(model, examples, amp, budget, strategy, offload, tile,
-                     _FunctionKey(loss_fn), host_bytes, verify, graph, compiled)
+                     _FunctionKey(loss_fn), host_bytes, verify, graph, compiled, objective)
     _forget_dead()
     if key in _CACHE:
         _CACHE.move_to_end(key)
@@ -271,7 +285,7 @@ def plan(
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
                   strategy=strategy, host_budget_bytes=host_bytes,
                   rebuild_saved=not compiled,
-                  graph_backend="inductor" if compiled else "eager")
+                  graph_backend="inductor" if compiled else "eager", objective=objective)
 
     fallback, graph_smallest, below_floor = None, None, None
     untiled_floor = 0  # NOTE rule 2: no plan without tiling peaks below it
@@ -419,7 +433,9 @@ class _Attempt:
         with shared_repeats():
             return search(Problem(
                 stages=stages, graph=graph, budget=budget, strategy=strategy,
-                options=PlannerOptions(offload=offload), header=self.header,
+                options=PlannerOptions(offload=offload,
+                                       costs=Costs(objective=self.header.objective)),
+                header=self.header,
                 step_flops=graph.forward_flops + graph.backward_flops,
                 unplanned_peak=self.prof.peak_bytes, verify=verifier if verify else None,
                 tileable=tileable if tiled else None,
@@ -466,7 +482,8 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
     target, smallest = budget, None
     for _ in range(_ROUNDS):
         # torch's min-cut's choices compete where the greedy fits (made when asked for)
-        choice = search_graph(graph, target, seeds=partitioner_choices(captured))
+        choice = search_graph(graph, target, Costs(objective=header.objective),
+                              seeds=partitioner_choices(captured))
         measured = measure_graph_plan(model, tuple(examples), choice.recompute,
                                       amp=header.amp, twice=choice.twice,
                                       loss_fn=loss_fn).peak_bytes

@@ -25,12 +25,15 @@ from remat3d.errors import PlanError
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["DECISIONS", "GRAPH_BACKENDS", "PLAN_SCHEMA", "Plan", "PlanError", "Region"]
+__all__ = ["DECISIONS", "GRAPH_BACKENDS", "OBJECTIVES", "PLAN_SCHEMA", "Plan", "PlanError",
+           "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
 # how a graph plan's graphs run: "eager" op by op (bitwise eager), "inductor" compiled
 # (runtime/inductor.py)
 GRAPH_BACKENDS = ("eager", "inductor")
+# what a plan minimises (planner/optimal.py Costs.objective)
+OBJECTIVES = ("time", "flops")
 DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may say
 
 
@@ -227,6 +230,9 @@ class Plan:
     # how the graph plan's graphs run: "eager" (op by op, eager's kernels: bitwise) or
     # "inductor" (compiled by inductor, runtime/inductor.py; remat3d.plan(compiled=True))
     graph_backend: str = "eager"
+    # what the search minimised (planner/optimal.py Costs): "time" (FLOPs, and memory-bound
+    # recompute its traffic) or "flops" (FLOPs as FlopCounterMode counts them)
+    objective: str = "time"
     # spans of parents' forwards that regions name like modules (runtime/spans.py): parent
     # module name -> for each span, its torch.fx node names; span k is "<parent>.@k"
     spans: dict[str, list[list[str]]] = field(default_factory=dict)
@@ -244,6 +250,9 @@ class Plan:
         if self.graph_backend not in GRAPH_BACKENDS:
             raise PlanError(f"graph_backend is {self.graph_backend!r}; a graph plan's "
                             "graphs run 'eager' (op by op) or 'inductor' (compiled).")
+        if self.objective not in OBJECTIVES:
+            raise PlanError(f"objective is {self.objective!r}; a plan minimises one of "
+                            f"{', '.join(OBJECTIVES)}.")
         named = sorted(set(self.graph_modules) - set(self.graph_recompute or ()))
         if named:
             raise PlanError(f"graph_modules names nodes graph_recompute does not "
@@ -338,8 +347,9 @@ class Plan:
                      f"{', compiled by inductor' if self.graph_backend == 'inductor' else ''}")]
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
+            objective = "" if self.objective == "time" else f" objective={self.objective}"
             lines.append(f"  made for {self.model} {shapes} amp={self.amp or 'none'} "
-                         f"strategy={self.strategy}")
+                         f"strategy={self.strategy}{objective}")
         if self.budget_bytes is not None:
             lines.append(f"  budget {format_bytes(self.budget_bytes)}")
         for label, value in (("predicted peak", self.predicted_peak_bytes),

@@ -8,6 +8,7 @@ import torch
 from remat3d.capture.joint import capture
 from remat3d.planner.graph_search import search_graph
 from remat3d.planner.liveness import closed_recompute, recompute_floor, simulate
+from remat3d.planner.optimal import Costs
 from remat3d.runtime.graph_run import measure_graph_plan
 from tests.capture.nets import ParentConcat
 
@@ -75,6 +76,27 @@ def test_no_plan_goes_below_the_recompute_floor(captured):
         assert floor <= simulate(graph, chosen, twice=chosen).peak_bytes
     # and not a trivial bound: above what the inputs and outputs alone take
     assert floor > sum(n.bytes for n in graph.nodes if n.phase == "input")
+
+
+def test_the_flops_objective_trades_memory_bound_recompute_for_fewer_flops(captured):
+    # "time" prices a recomputed norm or activation at its memory traffic, "flops" as
+    # torch's flop counter does (nothing): at 0.9x each plan is the cheaper by its own
+    # objective, and "flops" recomputes only memory-bound ops there
+    _, _, graph = captured
+    budget = int(0.9 * simulate(graph).peak_bytes)
+    by_time = search_graph(graph, budget)
+    by_flops = search_graph(graph, budget, Costs(objective="flops"))
+    assert by_time.fits and by_flops.fits
+    assert by_time.liveness.recompute_flops > 0 and by_flops.liveness.recompute_flops == 0
+    time = Costs()
+    assert by_time.cost < sum(graph[n].flops or time.pointwise_cost(graph[n].bytes)
+                              for n in by_flops.liveness.recomputed)
+    for fraction in (0.8, 0.7):  # and never more FLOPs than the time objective's plan
+        budget = int(fraction * simulate(graph).peak_bytes)
+        assert search_graph(graph, budget, Costs(objective="flops")).liveness.recompute_flops \
+            <= search_graph(graph, budget).liveness.recompute_flops
+    with pytest.raises(ValueError, match="objective"):
+        Costs(objective="memory")
 
 
 def test_a_later_search_walks_the_path_and_chooses_what_a_fresh_one_does(captured):

@@ -9,6 +9,9 @@ Names (the ``method`` field of a record):
 ``compile``                 ``torch.compile`` at ``activation_memory_budget`` (``compiled``)
 ``remat3d:<strategy>``      ``remat3d.plan(..., strategy=<strategy>)`` applied
 ``remat3d:optimal+offload`` ``remat3d.plan(..., strategy="optimal", offload=True)``
+``remat3d:graph``           ``remat3d.plan(..., graph=True)`` (``meta_cases``)
+``remat3d:graph:flops``     the same with ``objective="flops"``: FLOPs as torch.compile's
+                            partitioner counts them (at torch.compile's peaks)
 ==========================  ============================================================
 """
 

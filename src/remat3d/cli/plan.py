@@ -45,6 +45,10 @@ def plan_command(
         "inductor when it is applied, or (--no-graph, or where no graph plan fits) "
         "recompute regions for torch.compile, verified without rebuilt saved tensors, "
         "which compiled graphs do not have. No tiling or offload: each breaks the graph.")),
+    objective: str = typer.Option("time", "--objective", help=(
+        "What the plan minimises: time (recomputed convolutions in FLOPs, recomputed "
+        "norms and activations by their memory traffic) or flops (FLOPs only, as "
+        "torch.compile's partitioner counts them).")),
     model_kwargs: str = typer.Option(None, "--model-kwargs",
                                      help="Constructor keyword arguments (JSON/YAML/file)."),
     out: str = typer.Option(None, "--out", "-o", help="Write the plan (JSON) here."),
@@ -70,7 +74,7 @@ def plan_command(
         base = profile(net, shape, amp=amp_)
         result = make_plan(net, shape, budget=budget, strategy=strategy, offload=offload,
                            amp=amp_, tile=tile, host_budget=host_budget, graph=graph,
-                           compiled=compiled)
+                           compiled=compiled, objective=objective)
     if out:
         result.save(out)
     if json_out:

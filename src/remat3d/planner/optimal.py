@@ -18,26 +18,45 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from remat3d.planner.stages import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, Stage, StageModel
+from remat3d.planspec import OBJECTIVES
 
 __all__ = ["Costs", "min_peak", "solve"]
+
+# under the "flops" objective, memory-bound recompute costs this share of its traffic:
+# enough to choose between plans of equal FLOPs, too little to outweigh any convolution
+_TIE_BREAK = 1e-6
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Turns offload transfers into recompute-equivalent FLOPs.
+    """Turns memory-bound recompute and offload transfers into recompute-equivalent FLOPs.
 
     An offloaded stage moves its saved bytes to the host and back; the copies overlap the
     stage's own compute, and only what does not overlap costs time.
+
+    ``objective`` is what a plan minimises. ``"time"`` (the default): FLOPs, and
+    memory-bound ops (norms, activations, ``cat``: no FLOPs counted) their traffic at
+    memory bandwidth, for the time they take when run unfused. ``"flops"``: FLOPs as
+    torch's ``FlopCounterMode`` counts them (convolutions and matmuls), which is what
+    torch.compile's partitioner minimises; memory-bound recompute then only breaks ties
+    (``_TIE_BREAK`` of its traffic). Offload costs its unhidden transfer time under both.
     """
 
     device_flops: float = 1.0e14  # FLOP/s the device sustains (bf16 on a recent GPU)
     host_bandwidth: float = 2.5e10  # bytes/s each way over PCIe/NVLink-C2C
     memory_bandwidth: float = 3.0e12  # bytes/s of device memory
+    objective: str = "time"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {OBJECTIVES}")
 
     def pointwise_cost(self, nbytes: int) -> float:
         """Recomputing memory-bound ops (norms, activations) over ``nbytes`` of output,
-        in FLOP-equivalents: reading and writing them at memory bandwidth."""
-        return 2 * nbytes / self.memory_bandwidth * self.device_flops
+        in FLOP-equivalents: reading and writing them at memory bandwidth (under the
+        ``"flops"`` objective a tie-breaking share of that)."""
+        traffic = 2 * nbytes / self.memory_bandwidth * self.device_flops
+        return traffic if self.objective == "time" else traffic * _TIE_BREAK
 
     def offload_cost(self, saved_bytes: int, compute_flops: int) -> float:
         transfer = 2 * saved_bytes / self.host_bandwidth
