@@ -25,15 +25,17 @@ NOTE [ Greedy on exact liveness ]
      partitioner's choices down a ladder of its memory budgets, ``capture/mincut.py``)
      compete with it: each is simulated exactly, each that fits is leaned (rule 3), and
      the cheapest choice is taken (the greedy's on a tie). The cost of a seed does not
-     fall with its fraction (the partitioner counts FLOPs; here memory-bound ops cost
-     their traffic), so every one is asked for. A seed just above the budget (within
-     ``_NEAR``) is stepped down by the greedy of rule 2 first: the partitioner's choice
-     run by ``default_partition`` can peak a few bytes above its own run. Where the
+     fall with its fraction (the partitioner counts FLOPs; under the ``time`` objective
+     memory-bound ops cost their traffic), so every one is asked for. A seed just above
+     the budget (within ``_NEAR``) is stepped down by the greedy of rule 2 first: the
+     partitioner's choice run by ``default_partition`` can peak a few bytes above its
+     own run. Where the
      greedy does not fit, no seed is asked for (they reach no lower on the graphs
      measured, and each costs a partition).
   The cost of an op is its FLOPs; a memory-bound op (a norm, an activation, a ``cat``:
   no FLOPs counted) costs reading and writing its output at memory bandwidth, in FLOP
-  equivalents (:class:`Costs`, shared with ``optimal``).
+  equivalents (:class:`Costs`, shared with ``optimal``), under the ``time`` objective;
+  under ``flops`` a millionth of that, which only breaks ties (``Costs.objective``).
 """
 
 from __future__ import annotations
