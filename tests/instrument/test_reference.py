@@ -83,3 +83,31 @@ def test_verified_peak_is_that_of_a_loop_holding_its_output():
     plan = remat3d.plan(build(), shape, budget="0.8x", graph=False)
     planned = remat3d.apply(build(), plan)
     assert _loop_peak(planned, shape) == plan.verified_peak_bytes <= plan.budget_bytes
+
+
+class _Pointwise(torch.nn.Module):
+    """Nothing but pointwise ops: compiled by inductor, no aten kernel runs in its step."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(1, 2, 16, 16, 16) + 0.5)
+
+    def forward(self, x):
+        return (x * self.scale).sin() * x.cos() + self.scale.exp()
+
+
+def test_a_compiled_steps_own_buffers_count_and_only_in_kernel_scratch_does_not():
+    # inductor's kernels are not aten ops: the buffers it makes between aten calls are
+    # sampled as they are made (NOTE [ Comparing at operator boundaries ]); with no aten
+    # kernel in the step there is no scratch, and the two peaks are one
+    from remat3d.instrument.reference import allocator_measure
+    from remat3d.instrument.step import prepare_step
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_Pointwise(), backend="inductor")
+    x = torch.randn(1, 2, 16, 16, 16)
+    compiled(x).mean().backward()  # compiled before it is measured
+    measured = allocator_measure(prepare_step(compiled, [x], "cpu", None, None))
+    assert measured.peak_bytes == measured.allocator_peak_bytes
+    # and above what the step keeps at its end (the parameter's gradient with the rest)
+    assert measured.peak_bytes > measured.resident_bytes + 2 * 16 ** 3 * 4

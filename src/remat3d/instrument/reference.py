@@ -6,12 +6,16 @@ allocation and free the c10 allocator makes, with its size and time).
 
 NOTE [ Comparing at operator boundaries ]
   The allocator also sees scratch buffers a kernel allocates and frees inside one op (for
-  a 3D convolution on CPU, im2col columns of 27x the input). Those belong to the kernel
-  library, not to the model's step, and differ between CPU and GPU kernels. So the
-  comparable figure is the allocator's live bytes sampled at the end of every top-level
-  aten op (scratch already freed, outputs allocated, inputs not yet released) — exactly the
-  points at which the tracker samples. The raw allocator peak, scratch included, is
-  reported beside it as ``allocator_peak_bytes``.
+  a 3D convolution's backward on CPU, oneDNN's copies of its input and output gradient
+  in a blocked layout). Those belong to the kernel library, not to the model's step, and
+  differ between CPU and GPU kernels. So the comparable figure is the allocator's live
+  bytes sampled at the end of every top-level aten op (scratch already freed, outputs
+  allocated, inputs not yet released) — exactly the points at which the tracker samples —
+  and after every allocation made outside any aten op. An eager step makes none there;
+  a step compiled by inductor makes its buffers there (its generated kernels are not
+  aten ops; the ops it calls, a convolution, are), so the same figure is the compiled
+  step's peak without the scratch of the aten kernels it calls. The raw allocator peak,
+  scratch included, is reported beside it as ``allocator_peak_bytes``.
   Tensors that exist before the step (weights, buffers, inputs) allocate nothing during it;
   their bytes are added from the tensors themselves, deduplicated by data pointer.
 """
@@ -37,7 +41,9 @@ __all__ = ["AllocatorMeasure", "allocator_measure"]
 class AllocatorMeasure:
     """Peak bytes of one CPU step as the allocator saw them."""
 
-    peak_bytes: int  # resident before the step + allocator peak at op boundaries
+    # resident before the step + allocator peak at op boundaries (and at allocations
+    # outside every aten op: a compiled step's own buffers; NOTE)
+    peak_bytes: int
     allocator_peak_bytes: int  # resident + allocator peak including in-kernel scratch
     resident_bytes: int  # weights, buffers, inputs (alive before the step)
     end_bytes: int  # resident + what the step left allocated (gradients)
@@ -75,14 +81,20 @@ def allocator_measure(setup: StepSetup) -> AllocatorMeasure:
     times = [t for t, _ in allocations]
     live = list(itertools.accumulate(b for _, b in allocations))
     raw_peak = max([0, *live])
-    boundary_peak, top_end = 0, -1
+    top: list[tuple[int, int]] = []  # top-level aten ops, in time order
     for start, end in ops:
-        if start < top_end:  # nested inside the previous top-level op
-            continue
-        top_end = end
+        if not top or start >= top[-1][1]:  # else nested inside the previous one
+            top.append((start, end))
+    boundary_peak = 0
+    for start, end in top:
         k = bisect.bisect_right(times, end)
         if k:
             boundary_peak = max(boundary_peak, live[k - 1])
+    starts = [start for start, _ in top]
+    for (t, nbytes), now in zip(allocations, live):  # allocations outside every aten op
+        i = bisect.bisect_right(starts, t) - 1
+        if nbytes > 0 and (i < 0 or t > top[i][1]):
+            boundary_peak = max(boundary_peak, now)
     return AllocatorMeasure(
         peak_bytes=resident + boundary_peak,
         allocator_peak_bytes=resident + raw_peak,
