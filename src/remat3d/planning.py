@@ -237,7 +237,8 @@ def plan(
             counts FLOPs only, as torch's ``FlopCounterMode`` and torch.compile's
             partitioner do (memory-bound recompute only breaks ties), for a plan that
             recomputes the fewest FLOPs even where many norms and activations are
-            recomputed for it.
+            recomputed for it. It prices the graph search and the module planner's
+            solver; module plans, once verified, are compared by FLOPs either way.
 
     Returns a :class:`Plan` with ``verified_peak_bytes`` and ``recompute_flops`` measured.
     Plans are cached by (model structure and settings, input shapes and dtypes, amp,
@@ -253,10 +254,7 @@ def plan(
     >>> p.verified_peak_bytes <= p.budget_bytes
     True
     """
-    if objective not in OBJECTIVES:
-        raise PlanError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}: "
-                        "'time' (the default) or 'flops' (FLOPs only, as torch.compile's "
-                        "partitioner counts them).")
+    check_objective(objective)
     explicit = graph is True or strategy == "graph"  # a graph plan or an error
     if explicit:
         _graph_options(offload=offload)
@@ -449,6 +447,14 @@ def _cached(key: tuple, chosen: Plan) -> Plan:
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return copy.deepcopy(chosen)
+
+
+def check_objective(objective: str) -> None:
+    """One clear error for an objective ``plan`` does not know."""
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}: "
+                        "'time' (the default) or 'flops' (FLOPs only, as torch.compile's "
+                        "partitioner counts them).")
 
 
 def _graph_options(*, offload: bool) -> None:

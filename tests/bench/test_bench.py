@@ -174,3 +174,22 @@ def test_budget_rows_name_the_smallest_where_no_plan_fits():
     assert infeasible["smallest_bytes"] > 1024 and infeasible["seconds"] > 0
     assert "peak_bytes" not in infeasible
     assert 0 < fits["peak_bytes"] <= 2**30 and fits["flops"] == 1.0
+
+
+def test_equal_peak_rows_give_both_graph_objectives_at_compiles_peaks():
+    from remat3d.bench.records import Record
+    from remat3d.bench.report import equal_peak_rows
+
+    def record(method, setting, peak, recompute):
+        return Record(model="m", input_shape=[1, 1, 8, 8, 8], amp="none", method=method,
+                      tier="meta", setting=setting, peak_bytes=peak, recompute_flops=recompute)
+
+    at = "peak of compile memory_budget=0.5"
+    rows = equal_peak_rows([
+        record("none", "", 100, 0), record("compile", "memory_budget=0.5", 80, 10),
+        record("remat3d:optimal", at, 79, 6), record("remat3d:graph", at, 79, 4),
+        record("remat3d:graph:flops", at, 80, 2)])
+    assert len(rows) == 1  # the graph rows are remat3d's, not baselines of their own
+    row = rows[0]
+    assert (row["ratio"], row["graph_ratio"], row["graph_flops_ratio"]) == (0.6, 0.4, 0.2)
+    assert row["graph_flops"].method == "remat3d:graph:flops"

@@ -85,6 +85,28 @@ def test_verified_peak_is_that_of_a_loop_holding_its_output():
     assert _loop_peak(planned, shape) == plan.verified_peak_bytes <= plan.budget_bytes
 
 
+def test_scratch_is_what_one_op_allocates_and_frees_inside_itself():
+    from remat3d.instrument.reference import trace_peaks
+
+    # op A [0, 10]: +100, scratch +50 -50; op B [20, 30] nested in an op [20, 40] that
+    # starts at the same instant (the outer one is the top-level op): +30, scratch +70
+    # -70, then +5 inside the outer op after B's end; between the ops, at 15, +200 and
+    # -200 outside every op (a compiled step's own buffer); at 45 +1 outside, at the end
+    allocations = [(1, 100), (2, 50), (3, -50), (15, 200), (16, -200), (21, 30),
+                   (22, 70), (23, -70), (35, 5), (40, -5), (45, 1)]
+    ops = [(20, 30), (0, 10), (20, 40)]
+    peak, raw, end = trace_peaks(allocations, ops)
+    assert raw == 100 + 200
+    assert peak == 300  # the outside buffer counts; the scratch inside ops does not
+    assert end == 131
+    without_outside = [a for a in allocations if a[0] not in (15, 16)]
+    # B's scratch, and the +5 the outer op makes and frees after B: inside, not counted
+    # (taking B for the top-level op would count the +5: 135)
+    assert trace_peaks(without_outside, ops) == (131, 200, 131)
+    assert trace_peaks([], ops) == (0, 0, 0)
+    assert trace_peaks([(5, 8)], []) == (8, 8, 8)  # no op at all: every allocation
+
+
 class _Pointwise(torch.nn.Module):
     """Nothing but pointwise ops: compiled by inductor, no aten kernel runs in its step."""
 

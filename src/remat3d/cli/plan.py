@@ -56,9 +56,12 @@ def plan_command(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON only."),
 ) -> None:
     """Plan checkpointing so one training step fits a memory budget, verified on meta."""
+    from remat3d.planning import check_objective
     from remat3d.planning import plan as make_plan
     from remat3d.profiling import profile
     from remat3d.units import format_bytes
+
+    check_objective(objective)  # before the model is built and measured
 
     if graph and plot:
         raise Remat3dError("--plot draws the overhead curve of module plans; it does not "
@@ -128,7 +131,7 @@ def plan_command(
     if out:
         console.print(f"plan written to [bold]{escape(str(out))}[/]", soft_wrap=True)
     if plot:
-        _plot(plot, net, shape, result, base, amp_, offload, model, tile)
+        _plot(plot, net, shape, result, base, amp_, offload, model, tile, objective)
         console.print(f"plot written to [bold]{escape(str(plot))}[/]", soft_wrap=True)
 
 
@@ -141,7 +144,7 @@ def _overhead(plan: Any, base: Any) -> float:
 
 
 def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | None,
-          offload: bool, model: str, tile: bool = True) -> None:
+          offload: bool, model: str, tile: bool = True, objective: str = "time") -> None:
     from remat3d.instrument.step import meta_copy
     from remat3d.plotting import plot_plan
     from remat3d.profiling import profile
@@ -159,7 +162,7 @@ def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | 
             budget = int(low + (base.peak_bytes - low) * k / 5)
             try:
                 p = make_plan(net, shape, budget=budget, offload=offload, amp=amp, tile=tile,
-                              graph=False)
+                              graph=False, objective=objective)
             except Remat3dError:
                 continue
             curve.append((p.verified_peak_bytes or 0, _overhead(p, base)))

@@ -143,7 +143,8 @@ def solve(model: StageModel, budget: int, *, offload: bool = False,
 
 
 def min_peak(model: StageModel, *, offload: bool = False,
-             recomputable: list[bool] | None = None) -> tuple[int, list[str]]:
+             recomputable: list[bool] | None = None,
+             costs: Costs | None = None) -> tuple[int, list[str]]:
     """The smallest predicted peak any decisions reach, and the cheapest such decisions."""
     ok = recomputable or [True] * len(model.stages)
     options = _decisions(offload, ok)
@@ -163,7 +164,8 @@ def min_peak(model: StageModel, *, offload: bool = False,
     bounds = Bounds(np.zeros(n + 1), np.concatenate([np.ones(n), [np.inf]]))
     result = milp(c, constraints=constraints, integrality=integrality, bounds=bounds)
     peak = int(np.ceil(result.x[n])) if result.x is not None else model.unplanned_peak
-    decisions = solve(model, max(peak, model.base), offload=offload, recomputable=ok)
+    decisions = solve(model, max(peak, model.base), offload=offload, recomputable=ok,
+                      costs=costs or Costs())
     if decisions is None:
         decisions = [RECOMPUTE if k else KEEP for k in ok]
     return model.peak(decisions), decisions

@@ -307,7 +307,7 @@ class _Search:
             seeds = [self.bisect(first, budget, unplanned)]
         else:
             frugal = min_peak(stages, offload=options.offload,
-                              recomputable=options.recomputable)[0]
+                              recomputable=options.recomputable, costs=options.costs)[0]
             seeds = [self.bisect(None, frugal, budget)]
             if verify:
                 seeds.append(self.bisect(None, frugal, budget + budget // 8))
@@ -369,7 +369,8 @@ class _Search:
         stages, options = self.stages, self.p.options
         plans = [self.build(Decisions([KEEP] * len(stages.stages)))]
         frugal = self.make(min_peak(stages, offload=options.offload,
-                                    recomputable=options.recomputable)[0])
+                                    recomputable=options.recomputable,
+                                    costs=options.costs)[0])
         if frugal is not None:
             plans.append(frugal)
         ok = options.recomputable or [True] * len(stages.stages)
