@@ -131,7 +131,8 @@ def plan_command(
     if out:
         console.print(f"plan written to [bold]{escape(str(out))}[/]", soft_wrap=True)
     if plot:
-        _plot(plot, net, shape, result, base, amp_, offload, model, tile, objective)
+        _plot(plot, net, shape, result, base, amp_, offload, model, tile, objective,
+              compiled)
         console.print(f"plot written to [bold]{escape(str(plot))}[/]", soft_wrap=True)
 
 
@@ -144,7 +145,8 @@ def _overhead(plan: Any, base: Any) -> float:
 
 
 def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | None,
-          offload: bool, model: str, tile: bool = True, objective: str = "time") -> None:
+          offload: bool, model: str, tile: bool = True, objective: str = "time",
+          compiled: bool = False) -> None:
     from remat3d.instrument.step import meta_copy
     from remat3d.plotting import plot_plan
     from remat3d.profiling import profile
@@ -162,7 +164,7 @@ def _plot(path: str, net: Any, shape: tuple, result: Any, base: Any, amp: str | 
             budget = int(low + (base.peak_bytes - low) * k / 5)
             try:
                 p = make_plan(net, shape, budget=budget, offload=offload, amp=amp, tile=tile,
-                              graph=False, objective=objective)
+                              graph=False, objective=objective, compiled=compiled)
             except Remat3dError:
                 continue
             curve.append((p.verified_peak_bytes or 0, _overhead(p, base)))
