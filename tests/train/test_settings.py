@@ -29,6 +29,7 @@ def test_yaml_with_overrides_and_relative_paths(tmp_path):
     ("data: x\n", ["--memory-budget=1GiB"], r"Unknown setting 'memory-budget'.*memory_budget"),
     ("data: x\nepochs: three\n", [], r"epochs='three' .* should be int"),
     ("data: x\namp: fp8\n", [], r"amp='fp8' is invalid: use none, bf16 or fp16"),
+    ("data: x\nobjective: memory\n", [], r"objective='memory' is invalid: use time"),
     ("data: x\nepochs: 0\n", [], r"epochs=0 is invalid"),
     ("data: x\nspacing: [1, 2]\n", [], r"spacing=\[1.0, 2.0\] is invalid"),
     ("epochs: 2\n", [], r"'data' is required"),
@@ -53,3 +54,15 @@ def test_overrides_parse_yaml_values():
 
 def test_defaults_are_valid_once_data_is_set():
     TrainSettings(data="x").validate()
+
+
+def test_a_run_saved_before_the_objective_setting_resumes_and_lr_still_may_not_change():
+    from remat3d.train.settings import TrainSettings
+    from remat3d.train.state import check_resumable
+
+    now = TrainSettings(data="x").to_dict()
+    saved = {k: v for k, v in now.items() if k != "objective"}  # an older run's settings
+    check_resumable(saved, now)  # a plan changes memory and time, not the arithmetic
+    check_resumable({**now, "objective": "flops"}, now)
+    with pytest.raises(SettingsError, match="lr: saved 0.5"):
+        check_resumable({**saved, "lr": 0.5}, now)

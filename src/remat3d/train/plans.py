@@ -136,7 +136,7 @@ class StepPlans:
                 # calls, so under FSDP2 the plan is of modules
                 plan = remat3d.plan(self.model, shape, budget=budget - extra,
                                     strategy=s.strategy, offload=s.offload, amp=amp,
-                                    loss_fn=loss_fn,
+                                    loss_fn=loss_fn, objective=s.objective,
                                     graph=False if self.world.mode == "fsdp" else None)
             except BudgetError as exc:
                 raise BudgetError(

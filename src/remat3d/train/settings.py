@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from remat3d.errors import SettingsError
+from remat3d.planspec import OBJECTIVES
 
 __all__ = ["TrainSettings", "load_settings", "parse_overrides"]
 
@@ -51,6 +52,7 @@ class TrainSettings:
     # --- memory
     memory_budget: str = "none"                # none | 12GiB | 0.25x | auto
     strategy: str = "optimal"
+    objective: str = "time"                    # time | flops: what the plan minimises
     offload: bool = False
     amp: str = "none"                          # none | bf16 | fp16
     # --- optimisation
@@ -80,6 +82,9 @@ class TrainSettings:
                                 "with imagesTr/ and labelsTr/.")
         if self.amp not in ("none", "bf16", "fp16"):
             raise bad("amp", self.amp, "use none, bf16 or fp16")
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", self.objective, "use time (FLOPs and memory-bound "
+                      "traffic, the default) or flops (FLOPs only)")
         if self.intensity not in ("ct", "mr", "none"):
             raise bad("intensity", self.intensity, "use ct, mr or none")
         if self.distributed not in ("ddp", "fsdp"):

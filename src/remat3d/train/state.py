@@ -32,8 +32,10 @@ STATE_FILE = "state.pt"
 # settings that may differ between the interrupted run and its resume
 # settings that may differ between the interrupted run and its resume (ddp and fsdp compute
 # the same steps; the world size itself is not a setting: see train/distributed.py)
+# objective: a plan changes memory and time, never the step's numbers; and a run saved
+# before the setting existed resumes with its default
 RESUMABLE_CHANGES = frozenset({"epochs", "save_every", "val_every", "progress", "output_dir",
-                               "device", "cache", "distributed"})
+                               "device", "cache", "distributed", "objective"})
 
 
 def rng_state() -> dict[str, Any]:
