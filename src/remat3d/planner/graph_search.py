@@ -29,9 +29,8 @@ NOTE [ Greedy on exact liveness ]
      memory-bound ops cost their traffic), so every one is asked for. A seed just above
      the budget (within ``_NEAR``) is stepped down by the greedy of rule 2 first: the
      partitioner's choice run by ``default_partition`` can peak a few bytes above its
-     own run. Where the
-     greedy does not fit, no seed is asked for (they reach no lower on the graphs
-     measured, and each costs a partition).
+     own run. Where the greedy does not fit, no seed is asked for (they reach no lower
+     on the graphs measured, and each costs a partition).
   The cost of an op is its FLOPs; a memory-bound op (a norm, an activation, a ``cat``:
   no FLOPs counted) costs reading and writing its output at memory bandwidth, in FLOP
   equivalents (:class:`Costs`, shared with ``optimal``), under the ``time`` objective;
