@@ -96,6 +96,19 @@ def _fused(plan: Plan, stages: StageModel) -> set[int]:
             if r.decision == Decision.TILE and r.fuse}
 
 
+def _fused_chain(p: int, fused: set[int], readers: list[set[int | None]]) -> set[int]:
+    """Stage ``p`` and the ``fused`` stages its tiled run computes: those whose outputs
+    it reads, and theirs in turn."""
+    chain, todo = {p}, [p]
+    while todo:
+        reader = todo.pop()
+        for q in fused - chain:
+            if reader in readers[q]:
+                chain.add(q)
+                todo.append(q)
+    return chain
+
+
 def _reading_runs(p: int, readers: list[set[int | None]], fused: set[int]
                   ) -> tuple[set[int], set[int]] | None:
     """The stages that read stage ``p``'s output and are not ``fused`` (the runs that
@@ -395,14 +408,9 @@ def _gradient_at_peak(plan: Plan, stages: StageModel, p: int,
         return 0
     s = stage_of(plan.verified_peak_module)
     fused = _fused(plan, stages)
-    chain, todo = {p}, [p]  # p and the fused stages its runs compute
-    while todo:
-        for q in producers[todo.pop()]:
-            if q in fused and q not in chain:
-                chain.add(q)
-                todo.append(q)  # type: ignore[arg-type]
-            elif q not in chain and q != MODEL_INPUT:
-                return 0
+    chain = _fused_chain(p, fused, readers)  # p and the fused stages its runs compute
+    if any(q not in chain and q != MODEL_INPUT for c in chain for q in producers[c]):
+        return 0
     found = _reading_runs(p, readers, fused)
     if found is None:
         return 0  # the loss or a parent's ops read it: its gradient's span unknown
@@ -547,22 +555,13 @@ def stash_where_room(best: Plan, budget: int, stages: StageModel, check: Check,
     staged = staged_regions(best, stages)
     fused = _fused(best, stages)
 
-    def run_of(st: Stage) -> list[Stage]:  # the stage and the fused producers it computes
-        run, todo = [st], [st.index]
-        while todo:
-            reader = todo.pop()
-            for p in fused:
-                if reader in readers[p] and all(q.index != p for q in run):
-                    run.append(stages.stages[p])
-                    todo.append(p)
-        return run
-
     floor = (best.step_flops or 0) / 100
     steps = []
     for r, st in staged:
         if r.decision != Decision.TILE or r.fuse or r.stash is not None:
             continue
-        run = sorted(run_of(st), key=lambda s: s.index)  # producers run first
+        # the stage and the fused producers it computes, producers first (they run first)
+        run = [stages.stages[i] for i in sorted(_fused_chain(st.index, fused, readers))]
         saves = sum(s.fwd_flops * norms[s.index] for s in run)
         if saves >= floor:
             steps.append((r, _norm_inputs(run, norms), saves))
