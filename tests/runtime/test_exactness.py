@@ -81,3 +81,30 @@ def test_nnunet_v2_networks(name, family):
 def test_large_presets_every_block(name):
     model, x = _preset_case(name)
     assert_exact(model, x, plans_for(model, x)["every-block"])
+
+
+@pytest.mark.parametrize("strategy", ["blocks", "uniform", "sqrt", "balanced", "recursive",
+                                      "selective", "optimal"])
+def test_attention_unet_updates_batchnorm_statistics_once(strategy):
+    """The attention gates' BatchNorms run inside spans of AttentionLayer's forward (its
+    ``torch.cat`` between ``attention`` and ``merge``); a span region has no children of
+    its own, so its recomputation restored none of their buffers: running statistics
+    were updated twice under six strategies (guards.py NOTE rule 1)."""
+    import copy
+
+    from monai.networks.nets import AttentionUnet
+
+    import remat3d
+
+    torch.manual_seed(0)  # (deterministic algorithms: tests/conftest.py)
+    model = AttentionUnet(spatial_dims=3, in_channels=1, out_channels=2,
+                          channels=(8, 16, 32), strides=(2, 2)).train()
+    x = torch.randn(1, 1, 32, 32, 32)
+    plan = remat3d.plan(model, x, strategy=strategy, budget="1.0x")
+    planned = remat3d.apply(copy.deepcopy(model), plan)
+    for net in (model, planned):
+        net(x).float().square().mean().backward()
+    buffers = dict(planned.named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers()), [
+        n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])]
+    assert buffers["model.1.attention.W_g.1.num_batches_tracked"] == 1

@@ -9,8 +9,10 @@ NOTE [ Exact recomputation ]
      its submodules (for a region on a plain function: of every module called, on first
      call) are copied, and their values put back when recomputation ends, so running
      statistics change exactly once per step, bitwise.
-     (A module region that calls a module outside its own subtree, one it does not own,
-     is not covered: make the region on a function.)
+     A module with no children and no buffers is no owner (a span of its parent's forward
+     calls its parent's children): its modules are found as they are called, like a
+     function's. (A module region with children that also calls a module outside its own
+     subtree, one it does not own, is not covered: make the region on a function.)
   2. Divergence, named. By default nothing runs per op: like ``torch.utils.checkpoint``,
      each tensor the forward saves for backward is noted with its shape, dtype and device
      (``SavedMeta``, through torch's own determinism check), and the recomputation must
@@ -325,7 +327,15 @@ class ForwardSaves:
 
     def __init__(self, on_mismatch: Any) -> None:
         self.count = 0
-        self.on_mismatch = on_mismatch
+        # the region's method, held weakly: the region holds these saves, and a cycle
+        # would keep its selective-checkpoint cache (every kept op output) alive after the
+        # graph is gone, until Python's cyclic collector happened to run
+        self._on_mismatch = weakref.WeakMethod(on_mismatch)
+
+    def on_mismatch(self, *args: Any) -> Exception:
+        method = self._on_mismatch()
+        assert method is not None  # the region runs this recomputation
+        return method(*args)
 
     def __enter__(self) -> ForwardSaves:
         self.count = 0

@@ -80,10 +80,14 @@ def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _owner_module(fn: Any) -> nn.Module | None:
-    if isinstance(fn, nn.Module):
-        return fn
-    owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
+    """The module whose subtree holds every module ``fn`` runs (guards.py NOTE rule 1), or
+    None: the modules are found as they are called. A module with no children and no
+    buffers of its own (a span of its parent's forward, ``runtime/spans.py``) calls modules
+    it does not own, so it is no such owner."""
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(owner, nn.Module) or not (owner._modules or owner._buffers):
+        return None
+    return owner
 
 
 class _Stack(contextlib.ExitStack):
