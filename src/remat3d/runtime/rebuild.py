@@ -43,6 +43,14 @@ NOTE [ Rebuilt saved tensors ]
      argument in its schema, BatchNorm's running statistics) loses its recipes; autograd
      saves an op's inputs before the op runs, so a recipe already saved in its place is
      replaced by the tensor itself (``Rebuilt.pin``).
+  6. A recipe reads no parameter in backward: a parameter's storage may be gone by then
+     (FSDP2 frees the unsharded parameters after forward and gathers a module's again
+     only for that module's own backward, while a recipe may be replayed in another's).
+     A parameter is always a leaf, even one a cheap op made (FSDP2's unsharded
+     parameters are views of the buffer it gathers into), and a recipe holds a copy of
+     each parameter it reads (an affine weight, a bias: small), taken when it is saved,
+     whose bytes count in rule 2's cost; a parameter freed by then (FSDP2 resharded an
+     earlier module) leaves the tensor saved itself.
   Cost: the cheap ops run again in backward (memory traffic, no FLOPs: the plan's
   ``recompute_flops`` does not change). ``Plan(rebuild_saved=False)`` turns this off.
 """
@@ -54,6 +62,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -82,13 +91,21 @@ class Rebuilt:
         self.recipe = recipe
         self.index = index
         # hold every leaf from now on (rule 2); the tensors themselves, whose version
-        # counters rule 4 checks (only read under no_grad)
-        self.held = {id(leaf): t for leaf in leaves if (t := leaf.get()) is not None}
+        # counters rule 4 checks (only read under no_grad), and of a parameter a copy
+        # (rule 6), checked against its own version
+        self.held: dict[int, tuple[torch.Tensor, int]] = {}
+        for leaf in leaves:
+            t = leaf.get()
+            if isinstance(t, nn.Parameter):
+                copy = t.detach().clone()
+                self.held[id(leaf)] = (copy, copy._version)
+            elif t is not None:
+                self.held[id(leaf)] = (t, leaf.version)
         self.pinned: torch.Tensor | None = None  # rule 5: the tensor itself, kept
 
     @property
     def leaves(self) -> list[torch.Tensor]:
-        return list(self.held.values())
+        return [t for t, _ in self.held.values()]
 
     def pin(self, t: torch.Tensor) -> None:
         """Keep ``t`` itself and drop the recipe: it was written after being saved (rule 5)."""
@@ -137,6 +154,15 @@ def _written(func: Any, args: tuple, kwargs: dict, *, but_first: bool = False
     if not found:
         return []
     return [t for t in tree_flatten(found)[0] if isinstance(t, torch.Tensor)]
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage still holds all of it (FSDP2 resizes an unsharded
+    parameter's storage to nothing after forward)."""
+    if t.numel() == 0:
+        return True
+    end = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() >= end * t.element_size()
 
 
 def _cheap(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
@@ -235,7 +261,10 @@ class RebuildRecorder(TorchDispatchMode):
             if not isinstance(value, torch.Tensor):
                 sources.append(value)
                 continue
-            found = self._lookup(value, value._version)
+            # a parameter is a leaf (rule 6), even one a cheap op made (FSDP2's
+            # unsharded parameters are views of the buffer it gathers them into)
+            found = (None if isinstance(value, nn.Parameter)
+                     else self._lookup(value, value._version))
             if found is not None and found[0].depth >= _MAX_DEPTH:
                 found = None  # a long chain of cheap ops (a residual stream): start anew
             if found is not None:
@@ -274,7 +303,11 @@ class RebuildRecorder(TorchDispatchMode):
             value = leaf.get()
             if value is None or value._version != leaf.version:
                 return None
-            if leaf.storage not in counted and not self._kept(leaf.storage):
+            if isinstance(value, nn.Parameter):
+                if not _whole(value):
+                    return None  # freed since the op read it (FSDP2 resharded it)
+                cost += value.numel() * value.element_size()  # its copy (rule 6)
+            elif leaf.storage not in counted and not self._kept(leaf.storage):
                 counted.add(leaf.storage)
                 cost += leaf.nbytes
         if 2 * cost > storage_nbytes(t) or recipe.replay_peak() > 3 * storage_nbytes(t):

@@ -112,9 +112,10 @@ class Recipe:
                     live -= parent.new_bytes
         return peak
 
-    def run(self, held: dict[int, torch.Tensor]) -> Any:
+    def run(self, held: dict[int, tuple[torch.Tensor, int]]) -> Any:
         """This op's outputs, replayed from the leaves ``held`` (by id of their
-        :class:`Leaf`), each intermediate freed after its last use (NOTE rule 3)."""
+        :class:`Leaf`: the tensor and the version it must still have), each intermediate
+        freed after its last use (NOTE rule 3)."""
         order = self.chain()
         uses = _uses(order)
         values: dict[int, list[Any]] = {}
@@ -125,7 +126,7 @@ class Recipe:
                 if isinstance(source, tuple) and isinstance(source[0], Recipe):
                     flat.append(values[id(source[0])][source[1]])
                 elif isinstance(source, Leaf):
-                    flat.append(leaf_value(source, held.get(id(source)), recipe.func))
+                    flat.append(leaf_value(held.get(id(source)), recipe.func))
                 else:
                     flat.append(source)
             args, kwargs = tree_unflatten(flat, recipe.spec)
@@ -147,10 +148,10 @@ def _uses(order: list[Recipe]) -> dict[int, int]:
     return uses
 
 
-def leaf_value(leaf: Leaf, t: torch.Tensor | None, func: Any) -> torch.Tensor:
-    if t is None or t._version != leaf.version:
+def leaf_value(held: tuple[torch.Tensor, int] | None, func: Any) -> torch.Tensor:
+    if held is None or held[0]._version != held[1]:
         raise StaleRebuildError(
             f"A tensor that remat3d rebuilds a saved activation from (the input of "
             f"{func}) was modified in place, or freed, before the backward used it. "
             "Remove the in-place op, or apply the plan with Plan(rebuild_saved=False).")
-    return t
+    return held[0]

@@ -145,7 +145,9 @@ class StepPlans:
                     f"for the rest: {exc}"
                 ) from None
             self.plans[shape] = plan
-            what = (f"{len(plan.regions)} regions" if plan.graph_recompute is None else
+            tiled = sum(r.decision == "tile" for r in plan.regions)
+            what = (f"{len(plan.regions)} regions" + (f" ({tiled} tiled)" if tiled else "")
+                    if plan.graph_recompute is None else
                     f"a graph plan, {len(plan.graph_recompute)} graph nodes recomputed")
             self.say(f"plan for {format_shape(shape)} ({s.strategy}): budget "
                      f"{format_bytes(budget)} = {format_bytes(extra)} {held}"
