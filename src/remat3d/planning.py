@@ -370,7 +370,9 @@ def plan(
         logger.info("searching module plans%s%s", " with spans" if attempt.header.spans else "",
                     ", tiling where nothing else fits" if tiled else "")
         try:
-            chosen = attempt.search(budget_bytes, strategy, offload, verify, tiled,
+            # ``auto`` is ``optimal`` at the budget it resolved (the device's free memory)
+            chosen = attempt.search(budget_bytes, "optimal" if strategy == "auto" else strategy,
+                                    offload, verify, tiled,
                                     untiled_floor=untiled_floor, known_smallest=known)
             break
         except InfeasibleBudgetError as exc:
@@ -391,9 +393,16 @@ def plan(
                 logger.info("%s", exc)
         if graph_smallest is None or graph_smallest >= lowest.smallest_feasible_bytes:
             raise lowest
-        raise InfeasibleBudgetError(  # a graph plan goes lower than any module plan
-            f"{lowest} A graph plan reaches {format_bytes(graph_smallest)} "
-            f"({graph_smallest} bytes): plan with that budget or more.",
+        # a graph plan goes lower than any module plan: the smallest feasible budget is
+        # its (the module search's message named its own)
+        modules = lowest.smallest_feasible_bytes
+        said = f"the smallest feasible budget is {format_bytes(modules)} ({modules} bytes)"
+        assert said in str(lowest), str(lowest)
+        raise InfeasibleBudgetError(
+            str(lowest).replace(said, f"the smallest feasible budget is "
+                                f"{format_bytes(graph_smallest)} ({graph_smallest} bytes), "
+                                f"a graph plan's (module plans reach "
+                                f"{format_bytes(modules)})"),
             smallest_feasible_bytes=graph_smallest,
             unplanned_peak_bytes=lowest.unplanned_peak_bytes) from None
     if fallback is not None:

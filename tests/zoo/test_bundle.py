@@ -92,3 +92,51 @@ def test_a_broken_bundle_is_one_clear_error(tmp_path: Path) -> None:
         {"network_def": {"_target_": "SegResNet", "spatial_dims": 3, "no_such_arg": 1}}))
     with pytest.raises(ModelSpecError, match="building network_def from inference.json"):
         build_model(str(root))
+
+
+def _scripts_bundle(root: Path, channels: int) -> Path:
+    """A bundle whose network is its own code, ``scripts/networks/tiny.py`` (as the model
+    zoo's UNesT bundle names ``scripts.networks.unest_base_patch_4.UNesT``)."""
+    (root / "configs").mkdir(parents=True)
+    (root / "scripts" / "networks").mkdir(parents=True)
+    (root / "scripts" / "__init__.py").write_text("")
+    (root / "scripts" / "networks" / "__init__.py").write_text("")
+    (root / "scripts" / "networks" / "tiny.py").write_text(
+        "import torch\n\n\nclass Tiny(torch.nn.Sequential):\n"
+        "    def __init__(self, out_channels):\n"
+        f"        super().__init__(torch.nn.Conv3d(1, {channels}, 3, padding=1),\n"
+        f"                         torch.nn.Conv3d({channels}, out_channels, 1))\n")
+    (root / "configs" / "inference.json").write_text(json.dumps(
+        {"network_def": {"_target_": "scripts.networks.tiny.Tiny", "out_channels": 2}}))
+    return root
+
+
+def test_a_bundle_builds_a_network_of_its_own_scripts_and_leaves_no_import_state(
+        tmp_path: Path) -> None:
+    import sys
+
+    path, modules = list(sys.path), set(sys.modules)
+    first = build_model(str(_scripts_bundle(tmp_path / "a", channels=3)))
+    # another bundle's scripts package of the same name is its own, not the first's
+    second = build_model(str(_scripts_bundle(tmp_path / "b", channels=5)))
+    assert type(first).__name__ == type(second).__name__ == "Tiny"
+    assert first[0].out_channels == 3 and second[0].out_channels == 5
+    assert sys.path == path and set(sys.modules) == modules
+
+
+def test_a_bundle_for_another_monai_release_names_both_releases(tmp_path: Path) -> None:
+    import monai
+
+    root = tmp_path / "old"
+    (root / "configs").mkdir(parents=True)
+    (root / "configs" / "metadata.json").write_text(json.dumps({"monai_version": "1.4.0"}))
+    # SwinUNETR(img_size=...) is gone since MONAI 1.5
+    (root / "configs" / "inference.json").write_text(json.dumps(
+        {"network_def": {"_target_": "SwinUNETR", "img_size": [96, 96, 96], "in_channels": 1,
+                         "out_channels": 14, "feature_size": 48}}))
+    with pytest.raises(ModelSpecError) as err:
+        build_model(str(root))
+    message = str(err.value)
+    assert "building network_def" in message
+    assert "written for MONAI 1.4.0" in message and f"MONAI {monai.__version__} is " \
+        "installed" in message

@@ -99,6 +99,38 @@ def test_bad_nnunet_specs_are_one_clear_error(nnunet: Path, tmp_path: Path) -> N
     (bad / "dataset.json").write_text((plans.parent / "dataset.json").read_text())
     with pytest.raises(ModelSpecError, match="'os.system' is not a torch.nn.Module class"):
         build_model(f"nnunetv2:{bad / 'nnUNetPlans.json'}:3d_fullres")
+    # plans naming a network that is not part of the installed nnU-Net: one line naming
+    # the class and how to supply it, not nnU-Net's or the import's traceback
+    supply = "not part of the installed nnU-Net v2 or dynamic-network-architectures"
+    old = json.loads(plans.read_text())
+    configuration = old["configurations"]["3d_fullres"]
+    del configuration["architecture"]  # the format before the architecture block
+    configuration["UNet_class_name"] = "neUNet"
+    (bad / "nnUNetPlans.json").write_text(json.dumps(old))
+    with pytest.raises(ModelSpecError, match="network class 'neUNet'") as err:
+        build_model(f"nnunetv2:{bad / 'nnUNetPlans.json'}:3d_fullres")
+    assert supply in str(err.value)
+    fork = "nnunetv2.nets.ResEncUNetWithClass.ResidualEncoderUNetWithClassifier"
+    content["configurations"]["3d_fullres"]["architecture"]["network_class_name"] = fork
+    (bad / "nnUNetPlans.json").write_text(json.dumps(content))
+    with pytest.raises(ModelSpecError, match=f"'{fork}' names no class") as err:
+        build_model(f"nnunetv2:{bad / 'nnUNetPlans.json'}:3d_fullres")
+    assert supply in str(err.value)
+    # a fork's module that fails as it is imported (a torchvision built for another torch)
+    (tmp_path / "brokenfork").mkdir()
+    (tmp_path / "brokenfork" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    content["configurations"]["3d_fullres"]["architecture"]["network_class_name"] = \
+        "brokenfork.nets.ResEncUNetWithClassifier"
+    (bad / "nnUNetPlans.json").write_text(json.dumps(content))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(ModelSpecError, match="could not be imported .RuntimeError: "
+                           "operator torchvision::nms does not exist") as err:
+            build_model(f"nnunetv2:{bad / 'nnUNetPlans.json'}:3d_fullres")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert supply in str(err.value)
     # plain weights are not a model spec
     torch.save({"weight": torch.zeros(2)}, tmp_path / "plain.pth")
     with pytest.raises(ModelSpecError, match="not an nnU-Net v2 checkpoint"):

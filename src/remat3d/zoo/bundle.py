@@ -8,6 +8,13 @@ bundle has it (tensors that do not fit the network built, a head changed by mode
 are left as initialised and logged). Model kwargs override ``network_def``'s arguments
 (``out_channels: 4``).
 
+A bundle's own code (``scripts/``, named in ``network_def`` as ``scripts.networks.X``) is
+importable while the network is built, as under MONAI's bundle runner: the bundle's folder
+is first on ``sys.path`` then, and afterwards the path and ``sys.modules`` are as they were
+(the network keeps its class; another bundle's ``scripts`` is not shadowed). A network
+that fails to build in a bundle written for another MONAI release (``metadata.json``'s
+``monai_version``) is reported with both versions.
+
 What a spec may execute: a bundle's configs are code. MONAI evaluates their ``$``
 expressions and calls their ``_target_`` classes and functions, so name only bundles you
 trust (as with a ``.py`` file). The weights are read with ``torch.load(weights_only=True)``.
@@ -15,11 +22,15 @@ trust (as with a ``.py`` file). The weights are read with ``torch.load(weights_o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +112,11 @@ def build_from_bundle(spec: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     for key, value in kwargs.items():
         parser[f"network_def#{key}"] = value
     try:
-        model = parser.get_parsed_content("network_def", instantiate=True)
+        with _importable(root):
+            model = parser.get_parsed_content("network_def", instantiate=True)
     except Exception as exc:  # noqa: BLE001 - the bundle's own code failed
         raise ModelSpecError(f"{where}: building network_def from {file.name} failed: "
-                             f"{type(exc).__name__}: {quoted(exc)}") from None
+                             f"{type(exc).__name__}: {quoted(exc)}{_versions(root)}") from None
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{where}: network_def built a {type(model).__name__}, not a "
                              "torch.nn.Module.")
@@ -112,6 +124,45 @@ def build_from_bundle(spec: str | os.PathLike[str], **kwargs: Any) -> nn.Module:
     if weights.is_file() and not any(p.is_meta for p in model.parameters()):
         _load(model, weights, where)  # (on meta, for planning: no values to read)
     return model
+
+
+@contextlib.contextmanager
+def _importable(root: Path) -> Iterator[None]:
+    """The bundle's folder first on ``sys.path`` while its network is built; the modules
+    imported from it are then forgotten and any it shadowed put back (module docstring)."""
+    names = {p.stem if p.suffix == ".py" else p.name for p in root.iterdir()
+             if p.suffix == ".py" or (p.is_dir() and p.name.isidentifier())}
+
+    def ours(name: str) -> bool:
+        return name.split(".")[0] in names
+
+    shadowed = {name: module for name, module in sys.modules.items() if ours(name)}
+    for name in shadowed:
+        del sys.modules[name]
+    path = list(sys.path)
+    sys.path.insert(0, str(root))
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(shadowed)
+
+
+def _versions(root: Path) -> str:
+    """The bundle's MONAI release beside the installed one, where they differ."""
+    import monai
+
+    try:
+        wanted = json.loads((root / "configs" / "metadata.json").read_text())["monai_version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if str(wanted) == monai.__version__:
+        return ""
+    return (f" The bundle was written for MONAI {wanted} (configs/metadata.json's "
+            f"monai_version) and MONAI {monai.__version__} is installed: use the bundle's "
+            f"release for MONAI {monai.__version__}, or install monai=={wanted}.")
 
 
 def _load(model: nn.Module, path: Path, where: str) -> None:

@@ -87,6 +87,36 @@ def parse_plans_spec(spec: str) -> tuple[Path, str]:
     return Path(plans).expanduser(), configuration
 
 
+_SUPPLY = ("It is not part of the installed nnU-Net v2 or dynamic-network-architectures: "
+           "install the code that defines it (the fork or project these plans come from) "
+           "in this environment, or build the network yourself and give it as a model spec "
+           "(package.module:Class with model kwargs, or a .py file defining build_model()).")
+
+
+def _in_architectures(name: str) -> Any:
+    """The class nnU-Net finds for a network class name that does not import: one of that
+    (last) name inside ``dynamic_network_architectures.architectures`` (modules there that
+    fail to import, such as those needing a torchvision built for another torch, are
+    passed over; nnU-Net's own search stops at them)."""
+    import importlib
+    import pkgutil
+
+    from dynamic_network_architectures import architectures
+
+    last = name.split(".")[-1]
+    for info in pkgutil.walk_packages(architectures.__path__, architectures.__name__ + ".",
+                                      onerror=lambda _name: None):
+        try:
+            module = importlib.import_module(info.name)
+        except Exception as exc:  # noqa: BLE001 - any failure: not where the class is
+            logger.debug("looking for %s: %s does not import (%s)", last, info.name, exc)
+            continue
+        found = getattr(module, last, None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
 def _check_classes(architecture: Mapping[str, Any], where: str) -> None:
     """The classes a plans file names must be ``nn.Module`` subclasses (module docstring)."""
     names = [("network_class_name", architecture.get("network_class_name"))]
@@ -97,9 +127,17 @@ def _check_classes(architecture: Mapping[str, Any], where: str) -> None:
             continue
         if not isinstance(name, str) or not name:
             raise ModelSpecError(f"{where}: {key} must name a class, got {name!r}.")
-        obj = pydoc.locate(name)
+        try:
+            obj = pydoc.locate(name)
+        except pydoc.ErrorDuringImport as exc:  # the module defining it fails to import
+            raise ModelSpecError(
+                f"{where}: {key} {name!r} could not be imported ({exc.exc.__name__}: "
+                f"{quoted(exc.value)}). {_SUPPLY}") from None
         if obj is None and key == "network_class_name":
-            continue  # nnU-Net then looks it up inside dynamic_network_architectures
+            obj = _in_architectures(name)  # where nnU-Net looks when the path is stale
+            if obj is None:
+                raise ModelSpecError(f"{where}: {key} {name!r} names no class that "
+                                     f"imports. {_SUPPLY}")
         if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
             raise ModelSpecError(
                 f"{where}: {key} {name!r} is not a torch.nn.Module class"
@@ -119,7 +157,14 @@ def _network(plans: dict[str, Any], configuration: str, dataset_json: dict[str, 
         raise ModelSpecError(
             f"{where} has no configuration {configuration!r}; it has "
             f"{', '.join(map(repr, plans.get('configurations', {})))}.")
-    config = manager.get_configuration(configuration)
+    try:
+        config = manager.get_configuration(configuration)
+    except RuntimeError:  # plans from before the architecture block, of a network nnU-Net
+        # does not know how to describe (it knows PlainConvUNet and ResidualEncoderUNet)
+        name = plans["configurations"][configuration].get("UNet_class_name")
+        raise ModelSpecError(f"{where}: configuration {configuration!r} names the network "
+                             f"class {name!r} (UNet_class_name, plans written before nnU-Net "
+                             f"v2's architecture block). {_SUPPLY}") from None
     _check_classes(plans["configurations"][configuration].get("architecture")
                    or {"network_class_name": config.network_arch_class_name,
                        "arch_kwargs": config.network_arch_init_kwargs,
