@@ -213,6 +213,8 @@ def test_below_every_graph_plan_optimal_plans_the_modules_and_says_how_low_the_g
     auto = remat3d.plan(model, SHAPE, budget=graph_smallest - 1, strategy="auto")
     assert auto.strategy == "auto" and auto.tiled
     assert auto.regions == plan.regions
+    with pytest.raises(PlanError, match="Unknown strategy 'fastest'. Available: auto, "):
+        remat3d.plan(model, SHAPE, strategy="fastest")
 
 
 def test_an_infeasible_error_names_the_lower_of_graph_and_module_smallest_peaks():

@@ -189,3 +189,18 @@ def test_profile_of_a_planned_model_names_recomputed_nodes():
     assert recomputed and all(e["node"] is None or prof.graph.nodes[e["node"]].name in names
                               for e in recomputed)
     assert isinstance(prof.peak_node, str) and prof.summary()
+
+
+def test_a_module_that_writes_into_its_input_is_marked():
+    """The planner never makes such a module a recompute region of its own (its
+    recomputation would start from the overwritten values): the profile says which."""
+    from torch import nn
+
+    import remat3d
+
+    net = nn.Sequential(nn.Conv3d(1, 2, 3), nn.ReLU(inplace=True), nn.Conv3d(2, 2, 1),
+                        nn.ReLU())
+    graph = remat3d.profile(net, (1, 1, 8, 8, 8)).graph
+    assert {n.name: n.writes_input for n in graph.nodes} == {
+        "": False, "0": False, "1": True, "2": False, "3": False}
+    assert remat3d.CostGraph.from_dict(graph.to_dict()).nodes[2].writes_input

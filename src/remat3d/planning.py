@@ -82,11 +82,11 @@ from remat3d.planner.graph_search import search_graph
 from remat3d.planner.liveness import convolution_floor, recompute_floor
 from remat3d.planner.measured import Limits, Measured
 from remat3d.planner.optimal import Costs
-from remat3d.planner.registry import PlannerOptions
+from remat3d.planner.registry import STRATEGIES, PlannerOptions
 from remat3d.planner.searching import Problem, search
 from remat3d.planner.stages import StageModel, build_stages
 from remat3d.planspec import OBJECTIVES, Plan
-from remat3d.profiling import profile
+from remat3d.profiling import Profile, profile
 from remat3d.runtime.apply import apply
 from remat3d.runtime.fingerprint import model_fingerprint, model_signature
 from remat3d.runtime.graph_run import measure_graph_plan
@@ -97,18 +97,33 @@ from remat3d.units import format_bytes, format_shape, parse_bytes
 __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 
 _CACHE: OrderedDict[tuple, Plan] = OrderedDict()
+_PROFILES: OrderedDict[tuple, Profile] = OrderedDict()  # the unplanned steps' (_profiled)
 _CACHE_SIZE = 64
 _ROUNDS = 8
 # a graph plan's measured peak is its simulated one within 3 % (NOTE [ Simulating the
 # partitioned step ]); the recompute floor bounds the simulated one
 _FLOOR_SLACK = 0.03
 _UNCAPTURED: Any = object()  # below the convolution floor: the graph is captured if needed
-_GRAPH_CHOOSERS = ("optimal", "auto")  # NOTE [ Which plan optimal chooses ]
 logger = logging.getLogger(__name__)
 
 
 def clear_plan_cache() -> None:
     _CACHE.clear()
+    _PROFILES.clear()
+
+
+def _profiled(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
+              loss_fn: Callable[[Any], torch.Tensor] | None) -> Profile:
+    """The unplanned step's profile on meta, kept per model signature, inputs, amp and
+    loss function like plans are (one model planned under several strategies or budgets
+    is measured once); the caller gets its own copy."""
+    key = _cache_key(model, examples, amp, _FunctionKey(loss_fn))
+    if key not in _PROFILES:
+        _PROFILES[key] = profile(model, *examples, device="meta", amp=amp, loss_fn=loss_fn)
+        if len(_PROFILES) > _CACHE_SIZE:
+            _PROFILES.popitem(last=False)
+    _PROFILES.move_to_end(key)
+    return copy.deepcopy(_PROFILES[key])
 
 
 def resolve_budget(budget: str | float, unplanned_peak: int,
@@ -255,6 +270,16 @@ def plan(
     True
     """
     check_objective(objective)
+    if strategy not in STRATEGIES and strategy not in ("auto", "graph"):
+        raise PlanError(f"Unknown strategy {strategy!r}. Available: "
+                        f"{', '.join(sorted([*STRATEGIES, 'auto', 'graph']))}.")
+    if strategy == "auto":
+        # ``optimal`` at the budget given (the default, "auto": the device's free memory);
+        # one plan, cached once, that says it was asked for as ``auto``
+        return dataclasses.replace(
+            plan(model, *inputs, budget=budget, strategy="optimal", offload=offload, amp=amp,
+                 loss_fn=loss_fn, verify=verify, tile=tile, host_budget=host_budget,
+                 graph=graph, compiled=compiled, objective=objective), strategy="auto")
     explicit = graph is True or strategy == "graph"  # a graph plan or an error
     if explicit:
         _graph_options(offload=offload)
@@ -265,7 +290,7 @@ def plan(
                 "offload regions run eagerly, one graph break each. Leave out offload, or "
                 "plan for eager steps.")
         tile = False  # tiled runs are Python loops: each would break the compiled graph
-    chooses = explicit or (graph is None and strategy in _GRAPH_CHOOSERS)
+    chooses = explicit or (graph is None and strategy == "optimal")
     examples = _meta_examples(model, inputs)
     shapes = [tuple(x.shape) for x in examples]
     host_bytes = None if host_budget is None else parse_bytes(host_budget)
@@ -277,7 +302,7 @@ def plan(
         return copy.deepcopy(_CACHE[key])  # the caller's own: editing it changes no cache
 
     logger.info("measuring the unplanned step on meta")
-    prof = profile(model, *examples, device="meta", amp=amp, loss_fn=loss_fn)
+    prof = _profiled(model, examples, amp, loss_fn)
     budget_bytes = resolve_budget(budget, prof.peak_bytes)
     header = Plan(model=type(model).__name__, model_fingerprint=model_fingerprint(model),
                   input_shapes=[list(s) for s in shapes], amp=amp, budget_bytes=budget_bytes,
@@ -346,7 +371,7 @@ def plan(
     if spans:
         spanned = _Attempt(model, examples, amp, loss_fn, None,
                            dataclasses.replace(header, spans=spans), None)
-        attempts = [spanned] if strategy not in _GRAPH_CHOOSERS else [*attempts, spanned]
+        attempts = [spanned] if strategy != "optimal" else [*attempts, spanned]
     # (structure, tiling allowed): the modules untiled; the spans, tiling where nothing
     # else fits; the modules, tiling likewise (their untiled candidates measured already)
     order = [(attempts[0], tile)]
@@ -370,9 +395,7 @@ def plan(
         logger.info("searching module plans%s%s", " with spans" if attempt.header.spans else "",
                     ", tiling where nothing else fits" if tiled else "")
         try:
-            # ``auto`` is ``optimal`` at the budget it resolved (the device's free memory)
-            chosen = attempt.search(budget_bytes, "optimal" if strategy == "auto" else strategy,
-                                    offload, verify, tiled,
+            chosen = attempt.search(budget_bytes, strategy, offload, verify, tiled,
                                     untiled_floor=untiled_floor, known_smallest=known)
             break
         except InfeasibleBudgetError as exc:
@@ -428,8 +451,7 @@ class _Attempt:
         if self.probed is None:
             self.probed = spanned_copy(self.model, self.header.spans)
         if self.prof is None:
-            self.prof = profile(self.probed, *self.examples, device="meta", amp=self.amp,
-                                loss_fn=self.loss_fn)
+            self.prof = _profiled(self.probed, self.examples, self.amp, self.loss_fn)
         graph = self.prof.graph
         stages = build_stages(graph)
         verifier, tileable = _torch_side(self.model, self.examples, self.amp, self.loss_fn,
@@ -441,13 +463,22 @@ class _Attempt:
             return search(Problem(
                 stages=stages, graph=graph, budget=budget, strategy=strategy,
                 options=PlannerOptions(offload=offload,
-                                       costs=Costs(objective=self.header.objective)),
+                                       costs=Costs(objective=self.header.objective),
+                                       recomputable=_recomputable(stages)),
                 header=self.header,
                 step_flops=graph.forward_flops + graph.backward_flops,
                 unplanned_peak=self.prof.peak_bytes, verify=verifier if verify else None,
                 tileable=tileable if tiled else None,
                 untiled_floor=untiled_floor if tiled else 0, known_smallest=known_smallest,
                 measured=self.measured))
+
+
+def _recomputable(stages: StageModel) -> list[bool] | None:
+    """Which stages may be a recompute region of their own: not one whose module writes
+    in place into a tensor it was called with (its recomputation would start from the
+    overwritten values: ``InPlaceInputError``); None: every stage may."""
+    ok = [not s.writes_input for s in stages.stages]
+    return None if all(ok) else ok
 
 
 def _cached(key: tuple, chosen: Plan) -> Plan:
@@ -590,9 +621,10 @@ class _FunctionKey:
 
 def _forget_dead() -> None:
     """Drop cached plans whose loss function is gone (they can never be asked for again)."""
-    for key in [k for k in _CACHE if any(isinstance(part, _FunctionKey) and not part.alive
-                                          for part in k)]:
-        del _CACHE[key]
+    for cache in (_CACHE, _PROFILES):
+        for key in [k for k in cache if any(isinstance(part, _FunctionKey) and not part.alive
+                                             for part in k)]:
+            del cache[key]
 
 
 def _cache_key(model: nn.Module, examples: list[torch.Tensor], *settings: Any) -> tuple:

@@ -200,6 +200,7 @@ def graph_from_tracker(
             output_dtype=inv.output_dtype,
             output_bytes=inv.output_bytes,
             param_bytes=inv.param_bytes,
+            writes_input=inv.writes_input,
             self_fwd_flops=tracker.node_flops.get((inv.id, "forward"), 0),
             self_bwd_flops=tracker.node_flops.get((inv.id, "backward"), 0),
         )

@@ -37,7 +37,7 @@ def _launch(tmp_path: Path, processes: int, mode: str, kind: str) -> dict[str, t
 
 @pytest.mark.parametrize(("mode", "kind"), [
     ("fsdp", "tiled"),  # crashed in backward: a rebuilt input read a freed parameter
-    ("ddp", "tiled"),
+    pytest.param("ddp", "tiled", marks=pytest.mark.slow),  # (.ci/run runs -m slow here)
     pytest.param("fsdp", "recompute", marks=pytest.mark.slow),  # and in test_distributed
     pytest.param("ddp", "recompute", marks=pytest.mark.slow),
 ])

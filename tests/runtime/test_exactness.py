@@ -48,6 +48,9 @@ def _preset_case(name):
     return model, torch.randn(shape)
 
 
+# -m slow (about 50 s): the exactness sweep (tests/runtime/sweep.py) plans these networks'
+# kinds under every strategy by default; the torture model above takes every family
+@pytest.mark.slow
 @pytest.mark.parametrize("family", PLAN_FAMILIES)
 @pytest.mark.parametrize("name", FAST)
 def test_zoo_presets(name, family):

@@ -20,12 +20,14 @@ NOTE [ Attributing backward ops by sequence number ]
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["Invocation", "InvocationRecorder"]
 
@@ -52,6 +54,7 @@ class Invocation:
     output_shape: list[int] | None = None
     output_dtype: str | None = None
     children: list[int] = field(default_factory=list)
+    writes_input: bool = False  # wrote in place into a tensor it was called with
 
 
 class InvocationRecorder:
@@ -69,6 +72,8 @@ class InvocationRecorder:
         self._on_enter = on_enter
         self._on_exit = on_exit
         self._stack: list[int] = []
+        # per open invocation: the tensors it was called with and their versions then
+        self._inputs: list[list[tuple[weakref.ref[torch.Tensor], int]]] = []
         self._owner: dict[int, int] = {}  # autograd sequence number -> invocation id
         self._calls: dict[tuple[str, str], int] = {}
         self._handles: list[Any] = []
@@ -114,6 +119,12 @@ class InvocationRecorder:
                 self.invocations[parent].children.append(inv.id)
             self.invocations.append(inv)
             self._stack.append(inv.id)
+            # held weakly: a measurement must not keep an input alive longer than the step;
+            # read below tensor subclasses (a pending fused tiled output would compute)
+            with torch._C.DisableTorchFunctionSubclass():
+                self._inputs.append([(weakref.ref(t), t._version)
+                                     for t in tree_leaves((args, kwargs))
+                                     if isinstance(t, torch.Tensor) and not t.is_inference()])
             self._on_enter(inv)
 
         return hook
@@ -123,6 +134,9 @@ class InvocationRecorder:
             if not self._stack:
                 return
             inv = self.invocations[self._stack.pop()]
+            with torch._C.DisableTorchFunctionSubclass():
+                inv.writes_input = any((t := ref()) is not None and t._version != version
+                                       for ref, version in self._inputs.pop())
             inv.seq_end = torch._C._autograd._get_sequence_nr()
             for seq in range(inv.seq_start, inv.seq_end):
                 self._owner.setdefault(seq, inv.id)

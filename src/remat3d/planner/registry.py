@@ -128,7 +128,10 @@ def _recursive(model: StageModel, budget: int | None, options: PlannerOptions) -
     tree = None if budget is None else recursive_tree(model, budget, ok, options.costs)
     if tree is None:  # no budget, or none fits it: the binomial (most frugal) schedule
         tree = recursive_tree(model, None, ok, options.costs)
-    assert tree is not None  # every stage alone is a region: n + 1 checkpoints always fit
+    if tree is None:
+        # a stage that cannot be a region (its module writes into its input) leaves no
+        # schedule of the chain model: every stage that can be is a region of its own
+        return Decisions([RECOMPUTE if ok[s.index] else KEEP for s in model.stages])
     return Decisions(tree.decisions, containers=tree.containers, segments=tree.segments)
 
 

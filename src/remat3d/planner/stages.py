@@ -59,6 +59,7 @@ class Stage:
     param_bytes: int
     is_block: bool = False
     heavy_bytes: int = 0  # outputs of compute layers (convs, matmuls) inside the stage
+    writes_input: bool = False  # its module writes into an input: not recomputable alone
 
     def kept(self, decision: str) -> int:
         """S_s(d): bytes the stage leaves on the device for backward."""
@@ -214,6 +215,7 @@ def _stage(graph: CostGraph, index: int, head: int, is_block: bool) -> Stage:
         is_block=is_block,
         heavy_bytes=sum(graph.nodes[k].output_bytes for k in members
                         if graph.nodes[k].self_fwd_flops and graph.nodes[k].is_leaf),
+        writes_input=node.writes_input,
     )
 
 

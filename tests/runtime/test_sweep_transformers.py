@@ -1,0 +1,14 @@
+"""The exactness sweep (``tests/runtime/sweep.py``) over MONAI's transformer U-Nets (their
+graphs are the largest of the sweep: a file of their own, for pytest-xdist's balance)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .sweep import STRATEGY_NAMES, check, networks
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("net", networks("UNETR", "SwinUNETR"), ids=lambda n: n.name)
+def test_transformer_unets(net, strategy):
+    check(net, strategy)
