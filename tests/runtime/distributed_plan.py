@@ -1,8 +1,8 @@
-"""Run under torchrun: one training step of a planned model, each rank on its own volume,
-wrapped in DDP or FSDP2 (``argv[2]``); with one process, no wrapper, both volumes
-accumulated. The plan (``argv[3]``: ``tiled`` or ``recompute``) is made by every rank
-alike with a fixed budget, so both runs apply the same plan. Rank 0 saves the full
-gradients to ``argv[1]``."""
+"""Run under torchrun with 2 processes: one training step of a planned model, each rank on
+its own volume, wrapped in DDP or FSDP2 (``argv[2]``); rank 0 also takes the step of one
+process, unwrapped, accumulating both volumes. The plan (``argv[3]``: ``tiled`` or
+``recompute``) is made by every rank alike with a fixed budget, so both steps apply the
+same plan. Rank 0 saves both steps' full gradients to ``argv[1]``."""
 
 from __future__ import annotations
 
@@ -39,31 +39,32 @@ def make_plan(kind: str) -> remat3d.Plan:
 
 def main(out: str, mode: str, kind: str) -> None:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.use_deterministic_algorithms(True)
-    model = remat3d.apply(network(), make_plan(kind))
+    plan = make_plan(kind)
     torch.manual_seed(1)
     volumes = torch.randn(2, *SHAPE)
-    if world == 1:
+    single = remat3d.apply(network(), plan)
+    if rank == 0:  # one process accumulating both volumes
         for x in volumes:
-            model(x).square().mean().backward()
-        grads = {n: p.grad / 2 for n, p in model.named_parameters()}
-    else:
-        if mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            single(x).square().mean().backward()
+    model = remat3d.apply(network(), plan)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
 
-            for child in model.children():
-                if any(p.requires_grad for p in child.parameters()):
-                    fully_shard(child)
-            fully_shard(model)
-            wrapped = model
-        else:
-            wrapped = nn.parallel.DistributedDataParallel(model)
-        wrapped(volumes[rank]).square().mean().backward()  # both average the two
-        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for n, p in model.named_parameters()}
+        for child in model.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child)
+        fully_shard(model)
+        wrapped = model
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    wrapped(volumes[rank]).square().mean().backward()  # both average the two
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for n, p in model.named_parameters()}
     if rank == 0:
-        torch.save(grads, out)
+        torch.save({"single": {n: p.grad / 2 for n, p in single.named_parameters()},
+                    "wrapped": grads}, out)
     dist.barrier()
     dist.destroy_process_group()
 

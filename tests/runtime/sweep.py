@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -51,6 +53,20 @@ class Net:
 def networks(*families: str) -> list[Net]:
     """The networks of :data:`NETWORKS` whose name starts with one of ``families``."""
     return [n for n in NETWORKS if n.name.split("-")[0] in families]
+
+
+# ``optimal`` on the networks whose graph search takes 10-35 s here (the transformers'
+# graphs have 1.9k-2.7k ops): -m slow, which .ci/run runs after the default suite
+SLOW = {("UNETR", "optimal"), ("SwinUNETR", "optimal"), ("VNet", "optimal"),
+        ("FlexibleUNet", "optimal")}
+
+
+def cases(*families: str) -> list[Any]:
+    """(network, strategy) for every strategy on the networks of ``families``, as pytest
+    parameters; the :data:`SLOW` ones marked ``slow``."""
+    return [pytest.param(net, strategy, id=f"{net.name}-{strategy}",
+                         marks=[pytest.mark.slow] if (net.name, strategy) in SLOW else [])
+            for net in networks(*families) for strategy in STRATEGY_NAMES]
 
 
 def _monai(cls: str, **kwargs) -> Callable[[], nn.Module]:

@@ -13,26 +13,6 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-_RUNS: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}  # one process: no mode
-
-
-def _run(tmp_path: Path, processes: int, mode: str, kind: str) -> dict[str, torch.Tensor]:
-    key = (processes, mode if processes > 1 else "", kind)
-    if key not in _RUNS:
-        _RUNS[key] = _launch(tmp_path, processes, mode, kind)
-    return _RUNS[key]
-
-
-def _launch(tmp_path: Path, processes: int, mode: str, kind: str) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"{kind}-{mode}-{processes}.pt"
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={processes}", str(HERE / "distributed_plan.py"), str(out), mode,
-         kind], env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return torch.load(out, weights_only=True)
 
 
 @pytest.mark.parametrize(("mode", "kind"), [
@@ -42,8 +22,16 @@ def _launch(tmp_path: Path, processes: int, mode: str, kind: str) -> dict[str, t
     pytest.param("ddp", "recompute", marks=pytest.mark.slow),
 ])
 def test_two_processes_equal_one_accumulating_process(tmp_path, mode, kind):
-    single = _run(tmp_path, 1, mode, kind)
-    wrapped = _run(tmp_path, 2, mode, kind)
+    out = tmp_path / "grads.pt"
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(HERE / "distributed_plan.py"), str(out), mode, kind],
+        env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    saved = torch.load(out, weights_only=True)
+    single, wrapped = saved["single"], saved["wrapped"]
     assert single.keys() == wrapped.keys()
     for name, grad in single.items():
         assert torch.equal(wrapped[name], grad), name

@@ -79,8 +79,10 @@ def test_nnunet_v2_networks(name, family):
     assert_exact(model, x, plan)
 
 
-# nnunet with -m slow (11 s): the nnU-Net v2 networks, -m slow, and test_zoo_presets cover it
-@pytest.mark.parametrize("name", [pytest.param("nnunet", marks=pytest.mark.slow), "unetr"])
+# -m slow (11 s and 5 s): by default the sweep takes UNETR and nnU-Net's U-Nets under
+# every strategy (tests/runtime/sweep.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nnunet", "unetr"])
 def test_large_presets_every_block(name):
     model, x = _preset_case(name)
     assert_exact(model, x, plans_for(model, x)["every-block"])

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from .sweep import STRATEGY_NAMES, check, networks
+from .sweep import cases, check
+
+FAMILIES = ("UNet", "BasicUNet", "BasicUNetPlusPlus", "AttentionUnet", "DynUNet", "VNet")
 
 
-@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-@pytest.mark.parametrize("net", networks("UNet", "BasicUNet", "BasicUNetPlusPlus",
-                                         "AttentionUnet", "DynUNet", "VNet"),
-                         ids=lambda n: n.name)
+@pytest.mark.parametrize(("net", "strategy"), cases(*FAMILIES))
 def test_monai_unets(net, strategy):
     check(net, strategy)

@@ -5,29 +5,25 @@ from __future__ import annotations
 
 import pytest
 
-from .sweep import STRATEGY_NAMES, check, networks
+from .sweep import cases, check
+
+FAMILIES = ("SegResNet", "SegResNetVAE", "SegResNetDS", "HighResNet", "MedNeXt",
+            "FlexibleUNet", "DenseNet", "ResNet", "PlainConvUNet", "ResidualEncoderUNet")
 
 
-@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-@pytest.mark.parametrize("net", networks("SegResNet", "SegResNetVAE", "SegResNetDS",
-                                         "HighResNet", "MedNeXt", "FlexibleUNet", "DenseNet",
-                                         "ResNet", "PlainConvUNet", "ResidualEncoderUNet"),
-                         ids=lambda n: n.name)
+@pytest.mark.parametrize(("net", "strategy"), cases(*FAMILIES))
 def test_networks(net, strategy):
     check(net, strategy)
 
 
 def test_the_sweep_files_cover_every_network_once():
     from . import test_sweep_monai, test_sweep_transformers
-    from .sweep import NETWORKS
+    from .sweep import NETWORKS, networks
 
-    def swept(function):
-        (mark,) = [m for m in function.pytestmark if m.args[0] == "net"]
-        return [n.name for n in mark.args[1]]
-
-    names = (swept(test_sweep_monai.test_monai_unets)
-             + swept(test_sweep_transformers.test_transformer_unets) + swept(test_networks))
-    assert sorted(names) == sorted(n.name for n in NETWORKS)
+    swept = [n.name for families in (test_sweep_monai.FAMILIES,
+                                     test_sweep_transformers.FAMILIES, FAMILIES)
+             for n in networks(*families)]
+    assert sorted(swept) == sorted(n.name for n in NETWORKS)
 
 
 def test_a_tiled_plan_is_judged_against_float64():

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from .sweep import STRATEGY_NAMES, check, networks
+from .sweep import cases, check
+
+FAMILIES = ("UNETR", "SwinUNETR")
 
 
-@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-@pytest.mark.parametrize("net", networks("UNETR", "SwinUNETR"), ids=lambda n: n.name)
+@pytest.mark.parametrize(("net", "strategy"), cases(*FAMILIES))
 def test_transformer_unets(net, strategy):
     check(net, strategy)
