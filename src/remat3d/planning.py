@@ -99,6 +99,7 @@ __all__ = ["clear_plan_cache", "plan", "resolve_budget"]
 _CACHE: OrderedDict[tuple, Plan] = OrderedDict()
 _PROFILES: OrderedDict[tuple, Profile] = OrderedDict()  # the unplanned steps' (_profiled)
 _CACHE_SIZE = 64
+_PROFILES_SIZE = 8  # a profile holds its step's timeline (one event per op): fewer of them
 _ROUNDS = 8
 # a graph plan's measured peak is its simulated one within 3 % (NOTE [ Simulating the
 # partitioned step ]); the recompute floor bounds the simulated one
@@ -120,7 +121,7 @@ def _profiled(model: nn.Module, examples: list[torch.Tensor], amp: str | None,
     key = _cache_key(model, examples, amp, _FunctionKey(loss_fn))
     if key not in _PROFILES:
         _PROFILES[key] = profile(model, *examples, device="meta", amp=amp, loss_fn=loss_fn)
-        if len(_PROFILES) > _CACHE_SIZE:
+        if len(_PROFILES) > _PROFILES_SIZE:
             _PROFILES.popitem(last=False)
     _PROFILES.move_to_end(key)
     return copy.deepcopy(_PROFILES[key])

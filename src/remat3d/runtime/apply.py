@@ -235,7 +235,8 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, state: AppliedPlan) -> None:
         self.state = state
         self.kept: dict[int, Any] = {}  # storage id -> weakref: saved by now
-        self.recipes = (RebuildRecorder(self._is_kept) if state.plan.rebuild_saved
+        self.recipes = (RebuildRecorder(self._is_kept, self._is_weight)
+                        if state.plan.rebuild_saved
                         else None)
         super().__init__(self._pack, _unpack)
 
@@ -245,6 +246,10 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
 
     def _is_kept(self, storage_id: int) -> bool:
         ref = self.kept.get(storage_id) or self.state.weights.get(storage_id)
+        return ref is not None and ref() is not None
+
+    def _is_weight(self, storage_id: int) -> bool:
+        ref = self.state.weights.get(storage_id)
         return ref is not None and ref() is not None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | Rebuilt:

@@ -47,10 +47,11 @@ NOTE [ Rebuilt saved tensors ]
      (FSDP2 frees the unsharded parameters after forward and gathers a module's again
      only for that module's own backward, while a recipe may be replayed in another's).
      A parameter is always a leaf, even one a cheap op made (FSDP2's unsharded
-     parameters are views of the buffer it gathers into), and a recipe holds a copy of
-     each parameter it reads (an affine weight, a bias: small), taken when it is saved,
-     whose bytes count in rule 2's cost; a parameter freed by then (FSDP2 resharded an
-     earlier module) leaves the tensor saved itself.
+     parameters are views of the buffer it gathers into). The model's own parameters (as
+     ``apply`` found them) stay put and are read as they are; of any other parameter (an
+     FSDP2 unit's unsharded one: an affine weight, a bias, small) a recipe holds a copy,
+     taken when it is saved, whose bytes count in rule 2's cost; one freed by then (FSDP2
+     resharded an earlier unit) leaves the tensor saved itself.
   Cost: the cheap ops run again in backward (memory traffic, no FLOPs: the plan's
   ``recompute_flops`` does not change). ``Plan(rebuild_saved=False)`` turns this off.
 """
@@ -87,16 +88,17 @@ class Rebuilt:
 
     __slots__ = ("__weakref__", "held", "index", "pinned", "recipe")
 
-    def __init__(self, recipe: Recipe, index: int, leaves: list[Leaf]) -> None:
+    def __init__(self, recipe: Recipe, index: int, leaves: list[Leaf],
+                 copied: frozenset[int] = frozenset()) -> None:
         self.recipe = recipe
         self.index = index
         # hold every leaf from now on (rule 2); the tensors themselves, whose version
-        # counters rule 4 checks (only read under no_grad), and of a parameter a copy
-        # (rule 6), checked against its own version
+        # counters rule 4 checks (only read under no_grad), and of the parameters in
+        # ``copied`` (by id of their Leaf) a copy (rule 6), checked against its own version
         self.held: dict[int, tuple[torch.Tensor, int]] = {}
         for leaf in leaves:
             t = leaf.get()
-            if isinstance(t, nn.Parameter):
+            if t is not None and id(leaf) in copied:
                 copy = t.detach().clone()
                 self.held[id(leaf)] = (copy, copy._version)
             elif t is not None:
@@ -195,9 +197,10 @@ class _Entry:
 class RebuildRecorder(TorchDispatchMode):
     """NOTE rule 1: recipes for the outputs of cheap ops, while those outputs live."""
 
-    def __init__(self, kept: Callable[[int], bool]) -> None:
+    def __init__(self, kept: Callable[[int], bool], weight: Callable[[int], bool]) -> None:
         super().__init__()
         self._kept = kept  # storage id -> saved already (or a parameter/buffer)
+        self._weight = weight  # storage id -> the model's own parameter or buffer (rule 6)
         self._table: dict[int, _Entry] = {}  # by storage id
         self._finalizers: list[weakref.finalize] = []
         self._sequence = 0
@@ -298,21 +301,22 @@ class RebuildRecorder(TorchDispatchMode):
             return None
         recipe, index = found
         leaves = recipe.leaves()
-        cost, counted = 0, set()
+        cost, counted, copied = 0, set(), set()
         for leaf in leaves:
             value = leaf.get()
             if value is None or value._version != leaf.version:
                 return None
-            if isinstance(value, nn.Parameter):
+            if isinstance(value, nn.Parameter) and not self._weight(leaf.storage):
                 if not _whole(value):
                     return None  # freed since the op read it (FSDP2 resharded it)
+                copied.add(id(leaf))
                 cost += value.numel() * value.element_size()  # its copy (rule 6)
             elif leaf.storage not in counted and not self._kept(leaf.storage):
                 counted.add(leaf.storage)
                 cost += leaf.nbytes
         if 2 * cost > storage_nbytes(t) or recipe.replay_peak() > 3 * storage_nbytes(t):
             return None
-        rebuilt = Rebuilt(recipe, index, leaves)
+        rebuilt = Rebuilt(recipe, index, leaves, frozenset(copied))
         # autograd saves an op's inputs before the op runs: one that then writes into
         # this tensor unseen by its version counter (rule 5) must find the recipe
         entry = self._entry(t.untyped_storage())
