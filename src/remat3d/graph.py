@@ -57,7 +57,7 @@ class Node:
     self_bwd_flops: int = 0
     fwd_peak_delta_bytes: int = 0
     bwd_peak_delta_bytes: int = 0
-    writes_input: bool = False  # wrote in place into an input: never its own region
+    writes_input: bool = False  # wrote in place into an input: never a recompute region alone
     fwd_seconds: float | None = None
     bwd_seconds: float | None = None
 

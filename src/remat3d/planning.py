@@ -83,7 +83,7 @@ from remat3d.planner.liveness import convolution_floor, recompute_floor
 from remat3d.planner.measured import Limits, Measured
 from remat3d.planner.optimal import Costs
 from remat3d.planner.registry import STRATEGIES, PlannerOptions
-from remat3d.planner.searching import Problem, search
+from remat3d.planner.searching import Problem, search, smallest_feasible_phrase
 from remat3d.planner.stages import StageModel, build_stages
 from remat3d.planspec import OBJECTIVES, Plan
 from remat3d.profiling import Profile, profile
@@ -420,13 +420,11 @@ def plan(
         # a graph plan goes lower than any module plan: the smallest feasible budget is
         # its (the module search's message named its own)
         modules = lowest.smallest_feasible_bytes
-        said = f"the smallest feasible budget is {format_bytes(modules)} ({modules} bytes)"
+        said = smallest_feasible_phrase(modules)
         assert said in str(lowest), str(lowest)
         raise InfeasibleBudgetError(
-            str(lowest).replace(said, f"the smallest feasible budget is "
-                                f"{format_bytes(graph_smallest)} ({graph_smallest} bytes), "
-                                f"a graph plan's (module plans reach "
-                                f"{format_bytes(modules)})"),
+            str(lowest).replace(said, f"{smallest_feasible_phrase(graph_smallest)}, a graph "
+                                f"plan's (module plans reach {format_bytes(modules)})"),
             smallest_feasible_bytes=graph_smallest,
             unplanned_peak_bytes=lowest.unplanned_peak_bytes) from None
     if fallback is not None:

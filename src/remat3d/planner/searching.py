@@ -55,7 +55,7 @@ from remat3d.planner.tiling import (
 from remat3d.planspec import Plan, Region
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["Problem", "decision_regions", "extra_cost", "search"]
+__all__ = ["Problem", "decision_regions", "extra_cost", "search", "smallest_feasible_phrase"]
 
 _ROUNDS = 8  # bisection steps per search
 
@@ -113,6 +113,12 @@ def decision_regions(model: StageModel, result: Decisions) -> list[Region]:
         regions.append(Region(stage.name, calls=[stage.call_index], decision=decision,
                               policy=policy))
     return regions
+
+
+def smallest_feasible_phrase(smallest: int) -> str:
+    """How an infeasible-budget error names its smallest feasible budget (one wording: a
+    caller that names a lower one replaces this phrase)."""
+    return f"the smallest feasible budget is {format_bytes(smallest)} ({smallest} bytes)"
 
 
 class _Search:
@@ -273,8 +279,7 @@ class _Search:
             f"{' '.join(format_shape(s) for s in h.input_shapes)} "
             f"(amp={h.amp or 'none'}{', offload' if offload else ''}"
             f"{'' if host is None else ', host memory ' + format_bytes(host)}"
-            "): the smallest "
-            f"feasible budget is {format_bytes(smallest)} ({smallest} bytes); the "
+            f"): {smallest_feasible_phrase(smallest)}; the "
             f"unplanned peak is {format_bytes(self.p.unplanned_peak)}."
             + ("" if offload else " Allowing offload (offload=True) may lower it.")
             + ("" if self.p.tileable is not None

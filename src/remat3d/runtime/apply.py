@@ -245,8 +245,8 @@ class _LogSaved(torch.autograd.graph.saved_tensors_hooks):
         self.kept[id(storage)] = weakref.ref(storage)
 
     def _is_kept(self, storage_id: int) -> bool:
-        ref = self.kept.get(storage_id) or self.state.weights.get(storage_id)
-        return ref is not None and ref() is not None
+        ref = self.kept.get(storage_id)
+        return (ref is not None and ref() is not None) or self._is_weight(storage_id)
 
     def _is_weight(self, storage_id: int) -> bool:
         ref = self.state.weights.get(storage_id)
