@@ -71,6 +71,9 @@ _REPORTS = {  # subcommand: (module with main(argv), help)
     "tracker": ("remat3d.bench.tracker_report",
                 ("Validate the tracker against the allocator and FlopCounterMode "
                  "(docs/tracker-validation.md).")),
+    "predict": ("remat3d.bench.predict_report",
+                ("Plan whole-volume prediction at full size on meta; --cpu-time: a tiled "
+                 "prediction's time on this CPU (docs/predict.md).")),
     "gpu": ("remat3d.bench.cuda_check",
             ("Run plans on a CUDA device: allocator peak against the verified peak, step "
              "times, bitwise exactness (docs/gpu.md).")),
