@@ -167,7 +167,7 @@ def predict(model: nn.Module, volume: torch.Tensor, *, budget: str | int | None 
     Returns the output on the device, or in host memory where the plan keeps it there;
     a batch axis only if ``volume`` had one.
 
-    >>> labels = remat3d.predict(model, ct, budget="8GiB", amp="bf16", output="labels")
+    For example ``remat3d.predict(model, ct, budget="8GiB", amp="bf16", output="labels")``.
     """
     if not isinstance(volume, torch.Tensor):
         raise InputShapeError(f"predict takes the volume as a tensor, not a "

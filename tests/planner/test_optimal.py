@@ -105,7 +105,7 @@ def test_the_planner_never_imports_torch():
     files = [p for name in PURE for p in ((SRC / name).rglob("*.py") if (SRC / name).is_dir()
                                           else [SRC / name])]
     allowed_local = {"remat3d.graph", "remat3d.opgraph", "remat3d.planspec", "remat3d.units",
-                     "remat3d.errors", "remat3d.decisions", "remat3d.halo"}
+                     "remat3d.errors", "remat3d.decisions", "remat3d.halo", "remat3d.tilegraph"}
     for path in files:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
