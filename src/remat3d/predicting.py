@@ -149,7 +149,7 @@ def plan_prediction(model: nn.Module, shape: tuple[int, ...], *, budget: str | i
 def predict(model: nn.Module, volume: torch.Tensor, *, budget: str | int | None = None,
             amp: str | None = None, output: str | None = None,
             device: str | torch.device | None = None, plan: PredictionPlan | None = None,
-            ) -> torch.Tensor:
+            progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """``model``'s forward (``eval()`` mode, no gradients) on the whole ``volume`` within
     ``budget`` of device memory.
 
@@ -163,6 +163,7 @@ def predict(model: nn.Module, volume: torch.Tensor, *, budget: str | int | None 
             int16 above 256 classes; no channel axis); with ``plan``, the plan's.
         device: where to compute (default: the model's).
         plan: a :func:`plan_prediction` for this volume's shape, to skip planning.
+        progress: called as ``progress(done, total)`` after each of the plan's steps.
 
     Returns the output on the device, or in host memory where the plan keeps it there;
     a batch axis only if ``volume`` had one.
@@ -186,7 +187,7 @@ def predict(model: nn.Module, volume: torch.Tensor, *, budget: str | int | None 
     try:
         with torch.no_grad(), _no_autocast():
             out = run_plan(plan.capture, plan.plan, model, volume.reshape(shape),
-                           plan.device)
+                           plan.device, progress=progress)
     finally:
         model.train(training)
     if output == "labels":

@@ -22,7 +22,8 @@ import torch
 from remat3d.data.datalist import Case
 from remat3d.errors import DataError, quoted
 
-__all__ = ["Preprocessing", "Volume", "load_case"]
+__all__ = ["Preprocessing", "Volume", "load_case", "prepare_image", "read_image",
+           "spatial_transforms"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,32 +71,67 @@ class Volume:
 
 def load_case(case: Case, prep: Preprocessing) -> Volume:
     """Read, check and prepare one case. Raises :class:`DataError` naming the bad file."""
-    channels = [_read(path) for path in case.images]
-    image = channels[0]
-    for path, other in zip(case.images[1:], channels[1:]):
-        _same_grid(case.images[0], image, path, other, "channel")
-    if len(channels) > 1:
-        image = torch.cat(channels, dim=0)  # MetaTensor: keeps the first channel's affine
+    image = read_image(case.images)
     label = None
     if case.label is not None:
         label = _read(case.label)
-        _same_grid(case.images[0], channels[0], case.label, label, "label")
+        _same_grid(case.images[0], image, case.label, label, "label")
         if label.shape[0] != 1:
             raise DataError(
                 f"Label map {str(case.label)!r} has {label.shape[0]} channels; a label map "
                 "holds one integer class per voxel (a 3-D volume)."
             )
-    _check_finite(case.images, image)
-    if label is not None:
         _check_label(case.label, label)
-    data = _prepare({"image": image, "label": label} if label is not None else {"image": image},
-                    prep)
-    affine = np.asarray(data["image"].affine, dtype=np.float64)
-    image_t = data["image"].as_tensor().to(torch.float32).contiguous()
+    prepared = prepare_image(image, prep)
+    affine = np.asarray(prepared.affine, dtype=np.float64)
+    image_t = prepared.as_tensor().to(torch.float32).contiguous()
     label_t = None
     if label is not None:
-        label_t = data["label"].as_tensor().round().to(torch.uint8).contiguous()
+        label = spatial_transforms(prep, "nearest")(label)
+        label_t = label.as_tensor().round().to(torch.uint8).contiguous()
     return Volume(case.name, image_t, label_t, affine)
+
+
+def read_image(paths: Sequence[Path]) -> Any:
+    """The channels of one case (one file or DICOM folder each, on one voxel grid) as a
+    channel-first MONAI MetaTensor with the first file's affine, checked finite."""
+    channels = [_read(path) for path in paths]
+    image = channels[0]
+    for path, other in zip(paths[1:], channels[1:]):
+        _same_grid(paths[0], channels[0], path, other, "channel")
+    if len(channels) > 1:
+        image = torch.cat(channels, dim=0)  # MetaTensor: keeps the first channel's affine
+    _check_finite(paths, image)
+    return image
+
+
+def spatial_transforms(prep: Preprocessing, mode: str) -> Any:
+    """Orientation then resampling (``mode``: ``"bilinear"`` for images, ``"nearest"`` for
+    labels), as one MONAI ``Compose``: applied to a MetaTensor it records what it did, so
+    ``.inverse`` of a prediction carrying that record puts it back on the input's grid."""
+    from monai.transforms import Compose, Orientation, Spacing
+
+    steps: list[Any] = []
+    if prep.orientation:
+        steps.append(Orientation(axcodes=prep.orientation, labels=_RAS_LABELS))
+    if prep.spacing is not None:
+        steps.append(Spacing(pixdim=prep.spacing, mode=mode))
+    return Compose(steps)
+
+
+def prepare_image(image: Any, prep: Preprocessing) -> Any:
+    """``image`` (a MetaTensor from :func:`read_image`) on the training grid with the
+    training intensities; its ``applied_operations`` record the spatial steps."""
+    from monai.transforms import NormalizeIntensity, ScaleIntensityRange
+
+    image = spatial_transforms(prep, "bilinear")(image)
+    if prep.intensity == "ct":
+        low, high = prep.ct_window
+        image = ScaleIntensityRange(a_min=low, a_max=high, b_min=0.0, b_max=1.0,
+                                    clip=True)(image)
+    elif prep.intensity == "mr":
+        image = NormalizeIntensity(nonzero=True, channel_wise=True)(image)
+    return image
 
 
 # --------------------------------------------------------------------------- reading
@@ -175,24 +211,3 @@ def _check_label(path: Path | None, label: Any) -> None:
     if float(values.max()) > 255:
         raise DataError(f"Label map {str(path)!r} has class index {float(values.max()):g}; "
                         "at most 256 classes are supported.")
-
-
-# --------------------------------------------------------------------------- preparing
-
-
-def _prepare(data: Any, prep: Preprocessing) -> Any:
-    from monai.transforms import NormalizeIntensityd, Orientationd, ScaleIntensityRanged, Spacingd
-
-    keys = list(data)
-    modes = ["bilinear" if k == "image" else "nearest" for k in keys]
-    if prep.orientation:
-        data = Orientationd(keys, axcodes=prep.orientation, labels=_RAS_LABELS)(data)
-    if prep.spacing is not None:
-        data = Spacingd(keys, pixdim=prep.spacing, mode=modes)(data)
-    if prep.intensity == "ct":
-        low, high = prep.ct_window
-        data = ScaleIntensityRanged("image", a_min=low, a_max=high, b_min=0.0, b_max=1.0,
-                                    clip=True)(data)
-    elif prep.intensity == "mr":
-        data = NormalizeIntensityd("image", nonzero=True, channel_wise=True)(data)
-    return data

@@ -77,6 +77,7 @@ class _Run:
         self.host = set(plan.host)
         self.env: dict[str, Any] = {}
         self.stats: dict[str, Stats] = {}
+        self._chains: dict[str, list[tuple[str, list[fx.Node]]]] = {}
         self.number = {n.name: i for i, n in enumerate(self.graph.nodes)}
 
     # -- materialized tensors ------------------------------------------------------------
@@ -100,7 +101,9 @@ class _Run:
     # -- statistics (NOTE rule 3) ----------------------------------------------------------
     def chains(self, root: str) -> list[tuple[str, list[fx.Node]]]:
         """The tiled normalisations reading ``root`` (through views): each with the view
-        nodes leading to its input."""
+        nodes leading to its input (found once per run: ``gather`` asks per tile)."""
+        if root in self._chains:
+            return self._chains[root]
         found = []
         for name in self.stats:
             node = self.nodes[name]
@@ -111,6 +114,7 @@ class _Run:
                 chain.append(at)
                 at = at.args[0]
             found.append((name, chain[::-1]))
+        self._chains[root] = found
         return found
 
     def gather(self, root: str, value: torch.Tensor, region: Region | None) -> None:
@@ -338,7 +342,8 @@ class _Run:
         local.clear()
         self.gather_whole(step.root)
 
-    def run(self, weights: list[torch.Tensor], volume: torch.Tensor) -> torch.Tensor:
+    def run(self, weights: list[torch.Tensor], volume: torch.Tensor,
+            progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for node, w in zip(placeholders, weights):
             self.env[node.name] = w
@@ -366,6 +371,8 @@ class _Run:
         output = self.graph.output
         for k, step in enumerate(self.plan.steps):
             self.run_step(step)
+            if progress is not None:
+                progress(k + 1, len(self.plan.steps))
             for name in [n for n, at in last.items() if at == k and n != output]:
                 if self.graph[name].kind != "const":
                     self.env.pop(name, None)
@@ -374,8 +381,9 @@ class _Run:
 
 def run_plan(capture: ForwardCapture, plan: ForwardPlan, model: nn.Module,
              volume: torch.Tensor, device: torch.device, *, verify: bool = False,
-             ) -> torch.Tensor:
-    """``plan``'s forward of ``model`` on ``volume``, computed on ``device`` (NOTE)."""
+             progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """``plan``'s forward of ``model`` on ``volume``, computed on ``device`` (NOTE);
+    ``progress(done, total)`` is called after each step."""
     named = dict(model.named_parameters())
     named.update(model.named_buffers())
     missing = [n for n in capture.weights if n not in named]
@@ -383,5 +391,4 @@ def run_plan(capture: ForwardCapture, plan: ForwardPlan, model: nn.Module,
         raise TilingError(f"the model has no parameter or buffer {missing[0]!r} that its "
                           "traced forward reads; plan the prediction for this model")
     weights = [named[n] for n in capture.weights]
-    runner: Callable[..., torch.Tensor] = _Run(capture, plan, device, verify).run
-    return runner(weights, volume)
+    return _Run(capture, plan, device, verify).run(weights, volume, progress)
