@@ -48,12 +48,15 @@ class PredictionPlan:
     verified_peak_bytes: int = 0
     verified_host_peak_bytes: int = 0
 
+    @property
+    def tiled_steps(self) -> int:
+        """How many of the plan's steps run tile by tile."""
+        return sum(1 for s in self.plan.steps if s.tiled(self.capture.graph))
+
     def summary(self) -> str:
-        steps = self.plan.steps
-        tiled = [s for s in steps if s.tiled(self.capture.graph)]
         return (f"predict {self.capture.graph.model} on {format_shape(self.shape)} "
-                f"({self.output}, amp {self.amp or 'none'}): {len(steps)} steps, "
-                f"{len(tiled)} tiled, {len(self.plan.host)} tensors in host memory; device "
+                f"({self.output}, amp {self.amp or 'none'}): {len(self.plan.steps)} steps, "
+                f"{self.tiled_steps} tiled, {len(self.plan.host)} tensors in host memory; device "
                 f"peak {format_bytes(self.verified_peak_bytes)} verified (untiled "
                 f"{format_bytes(self.plan.unplanned_bytes)}), host "
                 f"{format_bytes(self.verified_host_peak_bytes)}")

@@ -14,6 +14,7 @@ from remat3d.cli.common import user_errors
 from remat3d.cli.demo import demo_command
 from remat3d.cli.nnunet import nnunet_app
 from remat3d.cli.plan import plan_command
+from remat3d.cli.predict import predict_command
 from remat3d.cli.profile import profile_command
 from remat3d.cli.train import train_command
 
@@ -35,6 +36,7 @@ def _root() -> None:
 
 app.command("profile")(user_errors(profile_command))
 app.command("plan")(user_errors(plan_command))
+app.command("predict")(user_errors(predict_command))
 app.add_typer(bench_app, name="bench")
 app.command("train", context_settings={"allow_extra_args": True,
                                        "ignore_unknown_options": True})(

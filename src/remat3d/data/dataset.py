@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from remat3d.data.datalist import Case
-from remat3d.data.padding import Geometry, pad_to_divisor, padded_shape
+from remat3d.data.padding import Geometry, check_not_too_small, pad_to_divisor, padded_shape
 from remat3d.data.volumes import Preprocessing, Volume, load_case
 from remat3d.errors import DataError
-from remat3d.units import format_shape
 
 __all__ = ["Sample", "VolumeDataset"]
 
@@ -113,13 +112,7 @@ class VolumeDataset:
                 f"or build the model with in_channels={channels} (model_kwargs)."
             )
         shape = tuple(int(s) for s in volume.image.shape[1:])
-        if min(shape) < g.min_size / 2:
-            raise DataError(
-                f"Case {case.name!r} ({str(case.images[0])!r}) is {format_shape(shape)} "
-                f"voxels after preprocessing; the model needs edges of at least {g.min_size} "
-                f"({g.reason or 'its downsampling depth'}), so padding would more than double "
-                "it. Use a finer spacing, or a model with fewer levels."
-            )
+        check_not_too_small(shape, g, f"Case {case.name!r} ({str(case.images[0])!r})")
         if volume.label is not None:
             top = int(volume.label.max())
             if top >= g.out_channels:

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat3d.errors import InputShapeError
+from remat3d.errors import DataError, InputShapeError
 
-__all__ = ["Geometry", "crop_back", "pad_to_divisor", "padded_shape", "probe_geometry"]
+__all__ = ["Geometry", "check_not_too_small", "crop_back", "pad_to_divisor", "padded_shape",
+           "probe_geometry"]
 
 _CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
 _PROBE_EDGE = 48  # probe edges are at least this: past the depth limit of common networks
@@ -42,6 +43,20 @@ class Geometry:
     divisor: int
     min_size: int
     reason: str = ""  # in words, for error messages
+
+
+def check_not_too_small(shape: tuple[int, ...], geometry: Geometry, what: str) -> None:
+    """Refuse a volume that padding up to the network's smallest edge would more than
+    double: the network would mostly see padding."""
+    if min(shape) < geometry.min_size / 2:
+        from remat3d.units import format_shape
+
+        raise DataError(
+            f"{what} is {format_shape(shape)} voxels after preprocessing; the model needs "
+            f"edges of at least {geometry.min_size} ({geometry.reason or 'its downsampling depth'}"
+            "), so padding would more than double it. Use a finer spacing, or a model with "
+            "fewer levels."
+        )
 
 
 def padded_shape(shape: tuple[int, ...], divisor: int, min_size: int = 1) -> tuple[int, ...]:

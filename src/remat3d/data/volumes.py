@@ -119,12 +119,14 @@ def spatial_transforms(prep: Preprocessing, mode: str) -> Any:
     return Compose(steps)
 
 
-def prepare_image(image: Any, prep: Preprocessing) -> Any:
+def prepare_image(image: Any, prep: Preprocessing, spatial: Any = None) -> Any:
     """``image`` (a MetaTensor from :func:`read_image`) on the training grid with the
-    training intensities; its ``applied_operations`` record the spatial steps."""
+    training intensities; its ``applied_operations`` record the spatial steps, which the
+    same ``spatial`` (``spatial_transforms(prep, "bilinear")``, made here if not given)
+    can invert."""
     from monai.transforms import NormalizeIntensity, ScaleIntensityRange
 
-    image = spatial_transforms(prep, "bilinear")(image)
+    image = (spatial or spatial_transforms(prep, "bilinear"))(image)
     if prep.intensity == "ct":
         low, high = prep.ct_window
         image = ScaleIntensityRange(a_min=low, a_max=high, b_min=0.0, b_max=1.0,

@@ -17,6 +17,7 @@ import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +39,8 @@ from remat3d.train.validation import Validation
 from remat3d.train.weights import LoadReport, apply_freeze, load_pretrained
 from remat3d.units import format_shape
 
-__all__ = ["Interrupted", "TrainResult", "Trainer", "deterministic", "resolve_device",
-           "seed_everything", "train"]
+__all__ = ["Interrupted", "TrainResult", "Trainer", "deterministic", "model_geometry",
+           "resolve_device", "seed_everything", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,30 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def model_geometry(spec: str, model_kwargs: dict[str, Any], model: nn.Module,
+                   divisible_by: int | None = None) -> Geometry:
+    """What a segmentation network built from ``spec`` needs of its input: a preset's own
+    divisibility rule where its geometry is the default one, else probed on meta."""
+    from remat3d import zoo
+
+    if spec.strip().lower() in zoo.preset_names():
+        preset = zoo.get_preset(spec)
+        if preset.task != "segmentation":
+            raise SettingsError(
+                f"Preset {preset.name!r} is a {preset.task} network; remat3d trains and "
+                "predicts with segmentation networks (nnunet, unet, basicunet, segresnet, "
+                "swinunetr, unetr)."
+            )
+        in_channels = int(model_kwargs.get("in_channels", preset.in_channels))
+        if set(model_kwargs) - zoo.SIZE_NEUTRAL_KWARGS:  # strides, depth: ask it
+            return probe_geometry(model, in_channels, divisible_by)
+        divisor = divisible_by or preset.divisor
+        probed = probe_geometry(model, in_channels, divisible_by=divisor)
+        return Geometry(in_channels, probed.out_channels, divisor, preset.min_size,
+                        reason=preset.min_size_rule)
+    return probe_geometry(model, model_kwargs.get("in_channels"), divisible_by)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -200,25 +225,8 @@ class Trainer(StepPlans, Steps, Validation, Fitting):
         return model.to(self.device), report
 
     def _geometry(self) -> Geometry:
-        from remat3d import zoo
-
         s = self.settings
-        if s.model.strip().lower() in zoo.preset_names():
-            preset = zoo.get_preset(s.model)
-            if preset.task != "segmentation":
-                raise SettingsError(
-                    f"Preset {preset.name!r} is a {preset.task} network; remat3d train "
-                    "fine-tunes segmentation networks (nnunet, unet, basicunet, segresnet, "
-                    "swinunetr, unetr)."
-                )
-            in_channels = int(s.model_kwargs.get("in_channels", preset.in_channels))
-            if set(s.model_kwargs) - zoo.SIZE_NEUTRAL_KWARGS:  # strides, depth: ask it
-                return probe_geometry(self.model, in_channels, s.divisible_by)
-            divisor = s.divisible_by or preset.divisor
-            probed = probe_geometry(self.model, in_channels, divisible_by=divisor)
-            return Geometry(in_channels, probed.out_channels, divisor, preset.min_size,
-                            reason=preset.min_size_rule)
-        return probe_geometry(self.model, s.model_kwargs.get("in_channels"), s.divisible_by)
+        return model_geometry(s.model, s.model_kwargs, self.model, s.divisible_by)
 
     def _datasets(self) -> tuple[VolumeDataset, VolumeDataset | None]:
         s = self.settings
