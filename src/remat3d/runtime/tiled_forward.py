@@ -268,13 +268,18 @@ class _Run:
         stats = self.stats[node.name]
         assert stats.mean is not None and stats.rstd is not None
         dtype = compute_dtype(x.dtype)
-        x6 = x.unflatten(1, (stats.spec.groups, -1)).to(dtype)
-        y = ((x6 - stats.mean.to(dtype)) * stats.rstd.to(dtype)).flatten(1, 2)
+        groups = stats.spec.groups
+        # y = x * scale + shift, scale = rstd * weight and shift = bias - mean * scale made
+        # in float64 per (sample, channel): one pass, the arithmetic of torch's own norms
+        scale = stats.rstd.expand(-1, -1, x.shape[1] // groups, 1, 1, 1)
         weight, bias = node.args[1], node.args[2]
         if weight is not None:
-            y = y * self.env[weight.name].to(dtype).view(1, -1, 1, 1, 1)
+            scale = scale * self.env[weight.name].double().view(1, groups, -1, 1, 1, 1)
+        shift = -stats.mean * scale
         if bias is not None:
-            y = y + self.env[bias.name].to(dtype).view(1, -1, 1, 1, 1)
+            shift = shift + self.env[bias.name].double().view(1, groups, -1, 1, 1, 1)
+        x6 = x.unflatten(1, (groups, -1)).to(dtype)
+        y = torch.addcmul(shift.to(dtype), x6, scale.to(dtype)).flatten(1, 2)
         return (y.to(x.dtype),)
 
     # -- steps ---------------------------------------------------------------------------

@@ -133,10 +133,10 @@ class Stats:
         n = x6.numel() // (x6.shape[1] * (1 if self.spec.kind == "batch" else x6.shape[0]))
         if n == 0:
             return
-        xf = x6.to(compute_dtype(x6.dtype))
-        mean = xf.mean(dims, keepdim=True)
-        m2 = (xf - mean).square().sum(dims, keepdim=True).double()
-        mean = mean.double()
+        # one fused pass (CPU reductions of float32 accumulate in float64)
+        var, mean = torch.var_mean(x6.to(compute_dtype(x6.dtype)), dims, correction=0,
+                                   keepdim=True)
+        m2, mean = var.double() * n, mean.double()
         if self.mean is None or self.m2 is None:
             self.count, self.mean, self.m2 = n, mean, m2
             return
