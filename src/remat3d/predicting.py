@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from remat3d.capture.forward import ForwardCapture, capture_forward
-from remat3d.errors import CaptureError, InputShapeError, PlanError
+from remat3d.errors import CaptureError, InputShapeError, PlanError, quoted
 from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import meta_copy, model_device
 from remat3d.instrument.tracker import MemoryTracker
@@ -97,14 +97,14 @@ def _measure(prediction: PredictionPlan, model: nn.Module) -> tuple[int, int]:
     shape = prediction.shape
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     device = torch.device("meta")
-    if input_name in prediction.plan.host:
-        volume = host_empty(shape, dtype, device)
-    else:
-        volume = torch.empty(shape, dtype=dtype, device="meta")
     tracker = MemoryTracker("meta")
     tracker.register(list(meta_model.parameters()) + list(meta_model.buffers()), "param")
-    tracker.register([volume], "input")
     with tracker, torch.no_grad():
+        if input_name in prediction.plan.host:  # made under the tracker: booked as host
+            volume = host_empty(shape, dtype, device)
+        else:
+            volume = torch.empty(shape, dtype=dtype, device="meta")
+            tracker.register([volume], "input")
         out = run_plan(prediction.capture, prediction.plan, meta_model, volume, device,
                        verify=True)
         del out
@@ -125,10 +125,12 @@ def plan_prediction(model: nn.Module, shape: tuple[int, ...], *, budget: str | i
         capture = capture_forward(model, shape, device=fake_device, amp=dtype,
                                   post=_post(output))
     except CaptureError as exc:
+        cause = exc.__cause__ or exc
         raise InputShapeError(
             f"{type(model).__name__} cannot run on a volume of shape {format_shape(shape)}: "
-            f"{exc} Check the channel count and that each spatial size is a multiple of "
-            "the network's total downsampling (pad the volume).") from exc
+            f"{type(cause).__name__}: {quoted(cause)} Check the channel count and that each "
+            "spatial size is a multiple of the network's total downsampling (pad the volume)."
+        ) from exc
     host_separate = where.type != "cpu"
     probe = plan_forward(capture.graph, 1 << 62, host_separate=host_separate)
     target = resolve_budget(budget if budget is not None else "1.0x", probe.unplanned_bytes,

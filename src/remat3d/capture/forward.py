@@ -82,7 +82,7 @@ def capture_forward(model: nn.Module, shape: tuple[int, ...], *, device: str | N
             out = _first_tensor(fake_model(volume))
         return post(out) if post is not None else out
 
-    with tracing_errors(model), _without_ambient_autocast(), torch.no_grad(), \
+    with tracing_errors(model, advice=""), _without_ambient_autocast(), torch.no_grad(), \
             _eager_upsampling(), x.fake_mode:
         gm = make_fx(functionalize(forward))(*[t for _, t in named], x)
     gm.graph.eliminate_dead_code()

@@ -331,9 +331,15 @@ def _own_forward(model: nn.Module) -> Iterator[None]:
             model.__dict__["forward"] = replaced
 
 
+_GRAPH_PLAN_ADVICE = (" Graph plans need a forward that AOTAutograd can trace (no control "
+                      "flow on tensor values, no .item()); module plans (remat3d.plan "
+                      "without graph=True) work without one.")
+
+
 @contextlib.contextmanager
-def tracing_errors(model: nn.Module) -> Iterator[None]:
-    """Turn what tracing raises into one :class:`CaptureError` (NOTE rule 4)."""
+def tracing_errors(model: nn.Module, advice: str = _GRAPH_PLAN_ADVICE) -> Iterator[None]:
+    """Turn what tracing raises into one :class:`CaptureError` (NOTE rule 4), ending with
+    ``advice``."""
     try:
         yield
     except Remat3dError:
@@ -341,9 +347,7 @@ def tracing_errors(model: nn.Module) -> Iterator[None]:
     except Exception as exc:  # any tracing failure is reported the same way
         raise CaptureError(
             f"{type(model).__name__}'s step could not be traced as one graph: "
-            f"{type(exc).__name__}: {quoted(exc) or 'no message'} Graph plans need a "
-            "forward that AOTAutograd can trace (no control flow on tensor values, no "
-            ".item()); module plans (remat3d.plan without graph=True) work without one."
+            f"{type(exc).__name__}: {quoted(exc) or 'no message'}{advice}"
         ) from exc
 
 
