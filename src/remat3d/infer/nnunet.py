@@ -32,6 +32,8 @@ the segmentation last: a case's ``CASE.nii.gz`` exists only once its ``.npz`` an
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import logging
 import math
@@ -90,9 +92,15 @@ class WholeVolumePredictor(nnUNetPredictor):  # nnU-Net's naming of its predicto
     def __init__(self, *, budget: str | int | None = None, amp: str | None = None,
                  use_mirroring: bool = True, device: torch.device | None = None) -> None:
         device = torch.device("cpu") if device is None else device
-        super().__init__(tile_step_size=1.0, use_gaussian=False, use_mirroring=use_mirroring,
-                         perform_everything_on_device=device.type == "cuda", device=device,
-                         verbose=False, allow_tqdm=False)
+        # nnU-Net's constructor prints a note on every device but CUDA; the library logs
+        note = io.StringIO()
+        with contextlib.redirect_stdout(note):
+            super().__init__(tile_step_size=1.0, use_gaussian=False,
+                             use_mirroring=use_mirroring,
+                             perform_everything_on_device=device.type == "cuda",
+                             device=device, verbose=False, allow_tqdm=False)
+        if note.getvalue().strip():
+            logger.debug("nnU-Net: %s", note.getvalue().strip())
         self.budget, self.amp = budget, amp
         self.prediction_plans: dict[tuple[int, ...], PredictionPlan] = {}  # by padded shape
         self.last_plan: PredictionPlan | None = None
