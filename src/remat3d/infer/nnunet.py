@@ -210,8 +210,8 @@ def _cases(input_folder: Path, file_ending: str, channels: int) -> dict[str, lis
     """Case name -> its images (``CASE_0000`` ... one per channel), nnU-Net's naming; every
     case checked to have exactly the model's channels."""
     if not input_folder.is_dir():
-        raise DataError(f"The input folder {input_folder} does not exist"
-                        + (" (it is a file)" if input_folder.exists() else "")
+        raise DataError(f"The input folder {input_folder} "
+                        + ("is a file" if input_folder.exists() else "does not exist")
                         + ": give a folder of images named CASE_0000" + file_ending + ".")
     pattern = re.compile(r"(.+)_(\d{4})" + re.escape(file_ending))
     cases: dict[str, dict[int, Path]] = {}
@@ -260,6 +260,19 @@ def _export(predictor: WholeVolumePredictor, logits: torch.Tensor, properties: d
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise Remat3dError(f"Unknown device {device!r}: give cuda, cpu or auto.") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise Remat3dError(f"Device {device!r} asked for, and there is no CUDA device here: "
+                           "give --device cpu (or auto).")
+    return where
+
+
 def predict_nnunet(input_folder: str | Path, output_folder: str | Path, dataset: str,
                    configuration: str, *, folds: list[str] | None = None,
                    trainer: str | None = None, plans: str = "nnUNetPlans",
@@ -280,8 +293,7 @@ def predict_nnunet(input_folder: str | Path, output_folder: str | Path, dataset:
     if output_folder.exists() and not output_folder.is_dir():
         raise DataError(f"The output folder {output_folder} is a file: give a folder (it is "
                         "made if it does not exist).")
-    where = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" \
-        else torch.device(device)
+    where = _device(device)
     if amp == "auto":
         amp = "fp16" if where.type == "cuda" else None
     if budget == "auto" and where.type != "cuda":
