@@ -22,6 +22,9 @@ NOTE [ Tiled forward steps ]
   4. On meta (``verify``) a tiled step runs only its representative tiles (the planner's
      ``representative_tiles``: every distinct clamping), so the tracker's peak is the
      plan's without running every tile.
+  5. An activation whose operand is a temporary of its own step (not the step's root, not
+     a view, read by nothing after it) overwrites that operand: the same kernel, the same
+     values, one allocation fewer. Members of a step other than its root have one reader.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ __all__ = ["run_plan"]
 
 aten = torch.ops.aten
 _SLABS = 8  # a whole tensor's statistics are gathered in this many slabs
+# activations run in place on a step's own temporary that nothing else reads (NOTE rule 5)
+_IN_PLACE = {aten.relu.default: aten.relu_.default,
+             aten.leaky_relu.default: aten.leaky_relu_.default,
+             aten.hardtanh.default: aten.hardtanh_.default,
+             aten.elu.default: aten.elu_.default,
+             aten.silu.default: aten.silu_.default,
+             aten.sigmoid.default: aten.sigmoid_.default,
+             aten.tanh.default: aten.tanh_.default}
 
 
 def _whole(t: torch.Tensor) -> Region:
@@ -213,7 +224,20 @@ class _Run:
                 return self.operand(a, want, vals)
             return self.whole_operand(a, vals)
 
-        return t(*fx.node.map_arg(node.args, value), **fx.node.map_arg(node.kwargs, value))
+        target = self.in_place(node, vals)
+        return target(*fx.node.map_arg(node.args, value),
+                      **fx.node.map_arg(node.kwargs, value))
+
+    def in_place(self, node: fx.Node, temporaries: dict[str, Any]) -> Any:
+        """``node``'s in-place twin where its operand is a temporary it may overwrite
+        (NOTE rule 5; the caller drops that temporary after ``node``), else its target."""
+        twin = _IN_PLACE.get(node.target)  # type: ignore[call-overload]
+        if twin is None or not isinstance(node.args[0], fx.Node):
+            return node.target
+        a = node.args[0]
+        fresh = a.name in temporaries and not self.graph[a.name].view and \
+            a.op == "call_function" and len(a.users) == 1
+        return twin if fresh else node.target
 
     def conv_transpose(self, node: fx.Node, want: Region, vals: dict) -> torch.Tensor:
         tn = self.graph[node.name]
@@ -338,8 +362,9 @@ class _Run:
             for a in node.all_input_nodes:
                 last_use[a.name] = k
         for k, node in enumerate(members):
-            local[node.name] = node.target(*fx.node.map_arg(node.args, value),
-                                           **fx.node.map_arg(node.kwargs, value))
+            target = self.in_place(node, local)
+            local[node.name] = target(*fx.node.map_arg(node.args, value),
+                                      **fx.node.map_arg(node.kwargs, value))
             for a in node.all_input_nodes:
                 if last_use.get(a.name) == k and a.name in local and a.name != step.root:
                     del local[a.name]
