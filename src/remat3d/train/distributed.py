@@ -24,7 +24,10 @@ NOTE [ Distributed training ]
      ``destroy_process_group()`` and ``gc.collect()`` gloo's threads (``gloo_tcp_loop``,
      two ``pt_gloo_runloop``) ran on until exit, and a rank once died at exit with
      "terminate called without an active exception" (SIGABRT) after a finished run.
-     Emptying those caches first lets the group, and its threads, go.
+     Emptying those caches first lets the group, and its threads, go. MONAI is imported
+     before the group is made: where pytorch-ignite is installed MONAI imports it, and
+     ignite imported while a group exists keeps a handle on that group (its threads then
+     outlive ``destroy_process_group()``), found by the same thread test.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def join(mode: str, device_type: str) -> World:
                             "ddp or fsdp.")
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
+        import monai  # noqa: F401  - before the group exists (NOTE rule 6)
+
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     return World(rank, size, local, mode)
