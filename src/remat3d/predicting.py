@@ -6,11 +6,27 @@ peak, not the planner's bound, is what the budget is checked against), then run
 (``runtime/tiled_forward.py``). Where nothing is tiled the result is bit for bit the model's
 own forward in ``eval()`` mode; where it is tiled, every voxel is computed from the same
 whole-volume statistics, equal up to floating-point rounding.
+
+NOTE [ Measured prediction plans ]
+  1. Every peak is the tracker's, on meta: a budget of ``"0.5x"`` is half the untiled
+     forward's measured peak, a plan runs only if its measured peak is within the budget,
+     and the smallest feasible budget an error names is a plan's measured peak.
+  2. The planner's bound (``planner/forward_tiles.py``) only steers the search: the
+     planner's smallest plan is measured first; if it does not fit, no plan does, and the
+     smaller of its and the untiled forward's measured peaks is the smallest feasible
+     budget named (on a small volume the smallest plan can measure above the untiled
+     forward). Otherwise the planner's goal is bisected (geometrically) between the
+     largest goal whose plan fitted and the smallest that did not (at first: the smallest
+     plan's and the untiled plan's), starting at the budget times the untiled plan's
+     bound-to-measured ratio, for at most ``_TRIES`` plans or until one measures within
+     10 % of the budget. The loosest plan that fitted runs: fewer, larger tiles and less
+     host memory than the smallest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +35,13 @@ import torch
 from torch import nn
 
 from remat3d.capture.forward import ForwardCapture, capture_forward
-from remat3d.errors import CaptureError, InputShapeError, PlanError, quoted
+from remat3d.errors import (
+    CaptureError,
+    InfeasibleBudgetError,
+    InputShapeError,
+    PlanError,
+    quoted,
+)
 from remat3d.instrument.amp import amp_dtype
 from remat3d.instrument.step import meta_copy, model_device
 from remat3d.instrument.tracker import MemoryTracker
@@ -32,7 +54,8 @@ from remat3d.units import format_bytes, format_shape, parse_amp
 __all__ = ["OUTPUTS", "PredictionPlan", "plan_prediction", "predict"]
 
 OUTPUTS = ("logits", "probabilities", "labels")
-_RETRIES = 3  # tighter plans tried when the measured peak exceeds the budget
+_TRIES = 5  # plans measured per search after the smallest (NOTE)
+_SLACK = 0.9  # a fitting plan measured below this share of the budget is loosened
 
 
 @dataclass
@@ -47,6 +70,7 @@ class PredictionPlan:
     device: torch.device
     verified_peak_bytes: int = 0
     verified_host_peak_bytes: int = 0
+    untiled_peak_bytes: int = 0  # the untiled forward's, measured the same way
 
     @property
     def tiled_steps(self) -> int:
@@ -58,7 +82,7 @@ class PredictionPlan:
                 f"({self.output}, amp {self.amp or 'none'}): {len(self.plan.steps)} steps, "
                 f"{self.tiled_steps} tiled, {len(self.plan.host)} tensors in host memory; device "
                 f"peak {format_bytes(self.verified_peak_bytes)} verified (untiled "
-                f"{format_bytes(self.plan.unplanned_bytes)}), host "
+                f"{format_bytes(self.untiled_peak_bytes)}), host "
                 f"{format_bytes(self.verified_host_peak_bytes)}")
 
 
@@ -132,23 +156,59 @@ def plan_prediction(model: nn.Module, shape: tuple[int, ...], *, budget: str | i
             "spatial size is a multiple of the network's total downsampling (pad the volume)."
         ) from exc
     host_separate = where.type != "cpu"
-    probe = plan_forward(capture.graph, 1 << 62, host_separate=host_separate)
-    target = resolve_budget(budget if budget is not None else "1.0x", probe.unplanned_bytes,
-                            str(where))
-    goal = target
-    for _ in range(_RETRIES):
-        plan = plan_forward(capture.graph, goal, host_separate=host_separate)
+
+    def measured(plan: ForwardPlan) -> PredictionPlan:
         prediction = PredictionPlan(capture, plan, shape, amp, output, where)
-        peak, host_peak = _measure(prediction, model)
-        prediction.verified_peak_bytes = peak
-        prediction.verified_host_peak_bytes = host_peak
-        if peak <= target:
-            return prediction
-        goal -= peak - target
-    raise PlanError(
-        f"The prediction plan for {format_bytes(target)} measured "
-        f"{format_bytes(prediction.verified_peak_bytes)} on meta after {_RETRIES} tries. "
-        "Raise the budget.")
+        prediction.verified_peak_bytes, prediction.verified_host_peak_bytes = \
+            _measure(prediction, model)
+        return prediction
+
+    # "0.5x" is of the untiled forward's peak as the tracker measures it, like every peak
+    whole = measured(plan_forward(capture.graph, 1 << 62, host_separate=host_separate))
+    untiled = whole.verified_peak_bytes
+    target = resolve_budget(budget if budget is not None else "1.0x", untiled, str(where))
+    best = whole if untiled <= target else _search(capture.graph, target, whole, measured,
+                                                   host_separate)
+    best.untiled_peak_bytes = untiled
+    return best
+
+
+def _search(graph: Any, target: int, whole: PredictionPlan,
+            measured: Callable[[ForwardPlan], PredictionPlan], host_separate: bool,
+            ) -> PredictionPlan:
+    """The loosest plan found whose measured peak is within ``target`` (NOTE [ Measured
+    prediction plans ])."""
+    try:  # the planner's smallest plan (rule 3)
+        plan_forward(graph, 0, host_separate=host_separate)
+        raise AssertionError("a forward plan within 0 bytes")
+    except InfeasibleBudgetError as exc:
+        lo = exc.smallest_feasible_bytes
+    best = measured(plan_forward(graph, lo, host_separate=host_separate))
+    if best.verified_peak_bytes > target:
+        least = min(best.verified_peak_bytes, whole.verified_peak_bytes)
+        raise InfeasibleBudgetError(
+            f"No prediction plan of {graph.model} fits {format_bytes(target)}: the smallest "
+            f"feasible budget is {format_bytes(least)} (untiled "
+            f"{format_bytes(whole.verified_peak_bytes)}). Raise the budget"
+            + (", or predict on a device with host memory to spill to." if not host_separate
+               else "."),
+            smallest_feasible_bytes=least, unplanned_peak_bytes=whole.verified_peak_bytes)
+    hi = whole.plan.peak_bytes  # the untiled plan's goal: measured over the target
+    # first guess: the budget in the planner's units, by the untiled plan's ratio
+    goal = target * whole.plan.peak_bytes // max(whole.verified_peak_bytes, 1)
+    for _ in range(_TRIES):
+        if best.verified_peak_bytes >= _SLACK * target or hi - lo <= lo // 32:
+            break
+        if not lo < goal < hi:
+            goal = math.isqrt(lo * hi)
+        plan = plan_forward(graph, goal, host_separate=host_separate)
+        candidate = measured(plan)
+        if candidate.verified_peak_bytes <= target:
+            best, lo = candidate, goal
+        else:
+            hi = goal
+        goal = math.isqrt(lo * hi)
+    return best
 
 
 def predict(model: nn.Module, volume: torch.Tensor, *, budget: str | int | None = None,

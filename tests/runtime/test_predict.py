@@ -6,6 +6,7 @@ untiled argmax except where the two top logits tie within that tolerance."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import remat3d
 from remat3d.capture.forward import capture_forward
 from remat3d.errors import InfeasibleBudgetError, InputShapeError, PlanError
 from remat3d.planner.forward_tiles import plan_forward
-from remat3d.predicting import plan_prediction
+from remat3d.predicting import _measure, plan_prediction
 from remat3d.runtime.tiled_forward import run_plan
 
 from .sweep import NETWORKS
@@ -54,12 +55,19 @@ def test_untiled_predict_is_the_forward_bitwise(net):
     assert torch.equal(out, plain)
 
 
-def _tiled_plan(model, x):
-    """A CPU plan at 0.6x of the untiled forward, or at the smallest feasible budget."""
+def _tiled_plan(model, x, output="logits"):
+    """A plan that tiles whatever it measures (the planner at 0.6x of its untiled bound, or
+    its smallest plan), measured on meta: what these tests judge is the tiled executor's
+    arithmetic, and on tiny volumes tiling need not save memory."""
+    base = plan_prediction(model, x.shape, output=output)  # the untiled plan
+    graph = base.capture.graph
     try:
-        return plan_prediction(model, x.shape, budget="0.6x")
+        plan = plan_forward(graph, int(0.6 * base.plan.peak_bytes))
     except InfeasibleBudgetError as exc:
-        return plan_prediction(model, x.shape, budget=exc.smallest_feasible_bytes)
+        plan = plan_forward(graph, exc.smallest_feasible_bytes)
+    tiled = dataclasses.replace(base, plan=plan)
+    tiled.verified_peak_bytes, tiled.verified_host_peak_bytes = _measure(tiled, model)
+    return tiled
 
 
 @pytest.mark.parametrize("net", NETWORKS, ids=[n.name for n in NETWORKS])
@@ -82,7 +90,7 @@ def test_labels_equal_the_untiled_argmax_but_for_ties(name):
     model = net.build()
     x = _volume(net)
     plain, exact = _reference(model, x)
-    plan = plan_prediction(model, x.shape, budget="0.6x", output="labels")
+    plan = _tiled_plan(model, x, output="labels")
     assert plan.plan.tiled
     labels = remat3d.predict(model, x, plan=plan)
     assert labels.dtype == torch.uint8 and labels.shape == (1, *x.shape[2:])
@@ -94,12 +102,32 @@ def test_labels_equal_the_untiled_argmax_but_for_ties(name):
     assert bool((gap[differ] <= 2 * tolerance).all()), int(differ.sum())
 
 
+def test_budgets_are_of_the_measured_untiled_peak_and_hold():
+    """"0.9x" is of the untiled forward's measured peak; the plan that runs measures within
+    it; below the smallest feasible budget the error names one that plans."""
+    (net,) = [n for n in NETWORKS if n.name == "PlainConvUNet-instance"]
+    model = net.build()
+    x = _volume(net)
+    untiled = plan_prediction(model, x.shape)
+    assert not untiled.plan.tiled and untiled.verified_peak_bytes == untiled.untiled_peak_bytes
+    plan = plan_prediction(model, x.shape, budget="0.9x")
+    assert plan.plan.tiled and plan.untiled_peak_bytes == untiled.verified_peak_bytes
+    assert plan.verified_peak_bytes <= 0.9 * untiled.verified_peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as info:
+        plan_prediction(model, x.shape, budget="0.1x")
+    smallest = info.value.smallest_feasible_bytes
+    assert smallest < untiled.verified_peak_bytes
+    assert plan_prediction(model, x.shape, budget=smallest).verified_peak_bytes <= smallest
+
+
 def test_probabilities_are_float16_softmax():
     (net,) = [n for n in NETWORKS if n.name == "DynUNet-instance"]
     model = net.build()
     x = _volume(net)
     plain, _ = _reference(model, x)
-    probabilities = remat3d.predict(model, x[0], budget="0.6x", output="probabilities")
+    plan = _tiled_plan(model, x, output="probabilities")
+    assert plan.plan.tiled
+    probabilities = remat3d.predict(model, x[0], plan=plan)
     assert probabilities.dtype == torch.float16 and probabilities.shape == plain.shape[1:]
     expected = torch.softmax(plain.float(), 1)[0]
     assert (probabilities.float() - expected).abs().max() < 1e-3
