@@ -178,7 +178,7 @@ def _search(graph: Any, target: int, whole: PredictionPlan,
             ) -> PredictionPlan:
     """The loosest plan found whose measured peak is within ``target`` (NOTE [ Measured
     prediction plans ])."""
-    try:  # the planner's smallest plan (rule 3)
+    try:  # the planner's smallest plan (NOTE rule 2)
         plan_forward(graph, 0, host_separate=host_separate)
         raise AssertionError("a forward plan within 0 bytes")
     except InfeasibleBudgetError as exc:
