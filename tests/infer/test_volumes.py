@@ -134,9 +134,9 @@ def test_cases_group_channels_and_name_outputs(tmp_path: Path) -> None:
         cases_from_inputs(files[:3], 2, tmp_path / "out")
     with pytest.raises(DataError, match="Two cases would write"):
         cases_from_inputs([files[0], files[0]], 1, tmp_path / "out")
+    (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(DataError, match="neither a NIfTI file"):
-        cases_from_inputs([tmp_path / "notes.txt"] if (tmp_path / "notes.txt").write_text("x")
-                          else [], 1, tmp_path / "out")
+        cases_from_inputs([tmp_path / "notes.txt"], 1, tmp_path / "out")
 
 
 def _fails(args: list[str], message: str) -> None:
