@@ -31,6 +31,7 @@ __all__ = [
     "SpatialOp",
     "conv_input_interval",
     "conv_transpose_input_interval",
+    "conv_transpose_input_slices",
     "input_region",
     "interpolate_input_interval",
     "needed_regions",
@@ -94,6 +95,20 @@ def conv_transpose_input_interval(lo: int, hi: int, *, kernel: int, stride: int,
         a = min(a, size - 1)
         b = a + 1
     return a, b
+
+
+def conv_transpose_input_slices(want: Region, *, kernel: Sequence[int],
+                                stride: Sequence[int], padding: Sequence[int],
+                                dilation: Sequence[int], size: Sequence[int],
+                                ) -> tuple[Region, tuple[int, ...]]:
+    """Per axis, the inputs of a transposed convolution that reach outputs ``want``
+    (:func:`conv_transpose_input_interval`) and the output position where the local result
+    of that input slice starts (``i0 * stride - padding``)."""
+    slices = tuple(conv_transpose_input_interval(
+        lo, hi, kernel=kernel[a], stride=stride[a], padding=padding[a],
+        dilation=dilation[a], size=size[a]) for a, (lo, hi) in enumerate(want))
+    starts = tuple(i0 * stride[a] - padding[a] for a, (i0, _) in enumerate(slices))
+    return slices, starts
 
 
 def interpolate_input_interval(lo: int, hi: int, *, scale: int, mode: str,

@@ -41,7 +41,7 @@ from remat3d.errors import TilingError
 from remat3d.halo import (
     Region,
     conv_input_interval,
-    conv_transpose_input_interval,
+    conv_transpose_input_slices,
     interpolate_input_interval,
     needed_regions,
     tile_grid,
@@ -244,14 +244,10 @@ class _Run:
         x_node, w, b, stride, _, dilation, _, _, groups = node.args
         size = self.graph[x_node.name].size
         assert size is not None
-        slices, starts = [], []
-        for a, (lo, hi) in enumerate(want):
-            i0, i1 = conv_transpose_input_interval(
-                lo, hi, kernel=tn.kernel[a], stride=tn.stride[a], padding=tn.padding[a],
-                dilation=tn.dilation[a], size=size[a])
-            slices.append((i0, i1))
-            starts.append(i0 * tn.stride[a] - tn.padding[a])
-        x = self.operand(x_node, tuple(slices), vals)
+        slices, starts = conv_transpose_input_slices(
+            want, kernel=tn.kernel, stride=tn.stride, padding=tn.padding,
+            dilation=tn.dilation, size=size)
+        x = self.operand(x_node, slices, vals)
         weight = self.env[w.name]
         bias = None if b is None else self.env[b.name]
         extent = [(i1 - i0 - 1) * tn.stride[a] + tn.dilation[a] * (tn.kernel[a] - 1) + 1

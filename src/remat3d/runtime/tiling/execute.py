@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from remat3d.halo import (
     Region,
     conv_input_interval,
-    conv_transpose_input_interval,
+    conv_transpose_input_slices,
     interpolate_input_interval,
     region_size,
 )
@@ -304,14 +304,10 @@ class TileMode(TorchFunctionMode):
         s = op.spatial
         x = b["input"]
         size = self.trace.sizes[s.inputs[0]]
-        slices, starts = [], []
-        for a, (lo, hi) in enumerate(want):
-            i0, i1 = conv_transpose_input_interval(
-                lo, hi, kernel=s.kernel[a], stride=s.stride[a], padding=s.padding[a],
-                dilation=s.dilation[a], size=size[a])
-            slices.append((i0, i1))
-            starts.append(i0 * s.stride[a] - s.padding[a])
-        x = crop(x, region_of(x), tuple(slices))
+        slices, starts = conv_transpose_input_slices(
+            want, kernel=s.kernel, stride=s.stride, padding=s.padding, dilation=s.dilation,
+            size=size)
+        x = crop(x, region_of(x), slices)
         y = F.conv_transpose3d(x, b["weight"], None, s.stride, 0, 0, b["groups"], s.dilation)
         pads = [(g0 - lo, hi - (g0 + n)) for g0, (lo, hi), n in zip(starts, want, y.shape[2:])]
         bias = b["bias"]
