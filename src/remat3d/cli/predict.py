@@ -53,6 +53,7 @@ def predict_command(
     the device budget needs it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from remat3d.data.volumes import Preprocessing
     from remat3d.infer.volumes import cases_from_inputs, predict_case
     from remat3d.train.trainer import model_geometry, resolve_device
     from remat3d.units import format_bytes, parse_amp
@@ -60,11 +61,11 @@ def predict_command(
     if output not in ("labels", "probabilities"):
         raise Remat3dError(f"--output must be labels or probabilities, not {output!r}.")
     where = resolve_device(device)
-    net, spec, kwargs, settings = _model(model, Path(weights) if weights else None,
-                                         model_kwargs)
-    prep = _preprocessing(settings, intensity, ct_window, spacing)
-    amp_ = parse_amp(amp if amp is not None else settings.get("amp", "none"))
-    geometry = model_geometry(spec, kwargs, net, settings.get("divisible_by"))
+    net, spec, kwargs, run = _model(model, Path(weights) if weights else None, model_kwargs)
+    prep = _preprocessing(run.preprocessing() if run else Preprocessing(), intensity,
+                          ct_window, spacing)
+    amp_ = parse_amp(amp if amp is not None else run.amp if run else "none")
+    geometry = model_geometry(spec, kwargs, net, run.divisible_by if run else None)
     cases = cases_from_inputs([Path(p) for p in inputs], geometry.in_channels, Path(out),
                               overwrite=overwrite)
     net = net.to(where).eval()
@@ -88,14 +89,15 @@ def predict_command(
 
 
 def _model(model: str, weights: Path | None, model_kwargs: str | None,
-           ) -> tuple[Any, str, dict[str, Any], dict[str, Any]]:
-    """The network with its weights, its spec and kwargs, and a run's settings (or none)."""
+           ) -> tuple[Any, str, dict[str, Any], Any]:
+    """The network with its weights, its spec and kwargs, and a run's settings (or
+    ``None``)."""
     from remat3d import zoo
     from remat3d.train.settings import load_settings
     from remat3d.train.weights import load_pretrained
 
     folder = Path(model)
-    settings: dict[str, Any] = {}
+    run = None
     if folder.is_dir() and (folder / "settings.yaml").is_file():
         missing = [n for n in _RUN_FILES if not (folder / n).is_file()]
         if missing and weights is None:
@@ -104,8 +106,8 @@ def _model(model: str, weights: Path | None, model_kwargs: str | None,
         if model_kwargs:
             raise SettingsError("--model-kwargs is for a model spec; a run folder's network "
                                 "is the one its settings.yaml built.")
-        settings = load_settings(folder / "settings.yaml").to_dict()
-        spec, kwargs = settings["model"], dict(settings["model_kwargs"])
+        run = load_settings(folder / "settings.yaml")
+        spec, kwargs = run.model, dict(run.model_kwargs)
         weights = weights or folder / "model.pt"
     else:
         spec, kwargs = model, zoo.parse_model_kwargs(model_kwargs)
@@ -115,7 +117,7 @@ def _model(model: str, weights: Path | None, model_kwargs: str | None,
             raise WeightsError(
                 f"{spec} builds a network with untrained weights. Give --weights, or a "
                 "training run folder (remat3d train's output_dir).")
-        return net, spec, kwargs, settings
+        return net, spec, kwargs, run
     report = load_pretrained(net, weights)
     if report.missing or report.mismatched:
         bad = report.missing[:3] or list(report.mismatched)[:3]
@@ -124,7 +126,7 @@ def _model(model: str, weights: Path | None, model_kwargs: str | None,
             f"{len(report.missing)} tensor(s) missing, {len(report.mismatched)} of another "
             f"shape (e.g. {', '.join(bad)}). Predict with the network they were trained as "
             "(its model kwargs).")
-    return net, spec, kwargs, settings
+    return net, spec, kwargs, run
 
 
 def _carries_weights(spec: str) -> bool:
@@ -134,10 +136,10 @@ def _carries_weights(spec: str) -> bool:
     return is_bundle(spec) or spec.lower().endswith((".pth", ".pt", ".ckpt"))
 
 
-def _preprocessing(settings: dict[str, Any], intensity: str | None, ct_window: str | None,
+def _preprocessing(base: Any, intensity: str | None, ct_window: str | None,
                    spacing: str | None) -> Any:
-    """The run's preprocessing (or the defaults), with the options given on top."""
-    from remat3d.data.volumes import Preprocessing
+    """``base`` (the run's preprocessing, or the defaults) with the options given on top."""
+    import dataclasses
 
     def numbers(text: str, count: int, option: str) -> tuple[float, ...]:
         try:
@@ -149,13 +151,11 @@ def _preprocessing(settings: dict[str, Any], intensity: str | None, ct_window: s
                                 f"{text!r}.")
         return values
 
-    window = settings.get("ct_window", (-1000.0, 1000.0))
-    grid = settings.get("spacing")
-    return Preprocessing(
-        orientation=settings.get("orientation", "RAS"),
-        spacing=(numbers(spacing, 3, "--spacing") if spacing else
-                 tuple(grid) if grid else None),  # type: ignore[arg-type]
-        intensity=intensity or settings.get("intensity", "none"),
-        ct_window=(numbers(ct_window, 2, "--ct-window") if ct_window
-                   else tuple(window)),  # type: ignore[arg-type]
-    )
+    given: dict[str, Any] = {}
+    if intensity:
+        given["intensity"] = intensity
+    if ct_window:
+        given["ct_window"] = numbers(ct_window, 2, "--ct-window")
+    if spacing:
+        given["spacing"] = numbers(spacing, 3, "--spacing")
+    return dataclasses.replace(base, **given)

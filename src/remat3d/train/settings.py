@@ -21,10 +21,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from remat3d.errors import SettingsError
 from remat3d.planspec import OBJECTIVES
+
+if TYPE_CHECKING:
+    from remat3d.data.volumes import Preprocessing
 
 __all__ = ["TrainSettings", "load_settings", "parse_overrides"]
 
@@ -109,6 +112,16 @@ class TrainSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def preprocessing(self) -> Preprocessing:
+        """How this run prepares each volume (for training and for prediction)."""
+        from remat3d.data.volumes import Preprocessing  # torch: only when asked
+
+        return Preprocessing(
+            orientation=self.orientation,
+            spacing=tuple(self.spacing) if self.spacing else None,  # type: ignore[arg-type]
+            intensity=self.intensity, ct_window=tuple(self.ct_window),  # type: ignore[arg-type]
+        )
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from torch import nn
 from remat3d.data.datalist import read_datalist, split_validation
 from remat3d.data.dataset import VolumeDataset
 from remat3d.data.padding import Geometry, probe_geometry
-from remat3d.data.volumes import Preprocessing
 from remat3d.errors import DataError, SettingsError
 from remat3d.instrument.amp import amp_dtype
 from remat3d.planspec import Plan
@@ -234,11 +233,7 @@ class Trainer(StepPlans, Steps, Validation, Fitting):
         training, validation = datalist.training, datalist.validation
         if not validation:
             training, validation = split_validation(training, s.val_fraction, s.seed)
-        prep = Preprocessing(
-            orientation=s.orientation,
-            spacing=tuple(s.spacing) if s.spacing else None,  # type: ignore[arg-type]
-            intensity=s.intensity, ct_window=tuple(s.ct_window),  # type: ignore[arg-type]
-        )
+        prep = s.preprocessing()
         patch = tuple(s.patch_size) if s.patch_size else None
         train_set = VolumeDataset(training, prep, self.geometry, cache=s.cache,
                                   patch_size=patch, seed=s.seed)  # type: ignore[arg-type]
