@@ -25,6 +25,7 @@ from monai.inferers import Inferer
 from torch import nn
 
 from remat3d.errors import BudgetError, InputShapeError, ModelForwardError, ModelSpecError
+from remat3d.instrument.step import model_device
 from remat3d.planning import resolve_budget
 from remat3d.predicting import OUTPUTS, PredictionPlan, plan_prediction, predict
 from remat3d.units import format_shape, parse_amp
@@ -135,7 +136,7 @@ class WholeVolumeInferer(Inferer):
     def plan(self, network: nn.Module, volume: torch.Tensor) -> PredictionPlan:
         """The cached :class:`~remat3d.predicting.PredictionPlan` for ``network`` on a
         (padded) ``volume``, planned on first use."""
-        device = self.device or _parameter_device(network) or volume.device
+        device = self.device or model_device(network) or volume.device
         amp = self._amp(device)
         key = (tuple(volume.shape), volume.dtype, str(device), amp)
         plans = self._plans.setdefault(network, {})
@@ -200,7 +201,3 @@ def _divisors(divisible_by: int | Sequence[int] | None) -> tuple[int, ...] | Non
         raise InputShapeError(f"WholeVolumeInferer(divisible_by={divisible_by!r}): give a "
                               "positive int (e.g. 16) or one per spatial axis.")
     return steps
-
-
-def _parameter_device(network: nn.Module) -> torch.device | None:
-    return next((p.device for p in network.parameters()), None)
