@@ -353,6 +353,6 @@ def predict_nnunet(input_folder: str | Path, output_folder: str | Path, dataset:
         assert plan is not None
         result.cases.append(CasePrediction(
             case, tuple(data.shape), plan.shape[1:],
-            sum(s.tiled(plan.capture.graph) for s in plan.plan.steps), plan.summary()))
+            plan.tiled_steps, plan.summary()))
         logger.info("%s written", case)
     return result
