@@ -51,7 +51,7 @@ from remat3d.runtime.tiled_forward import run_plan
 from remat3d.runtime.tiling.host import host_empty
 from remat3d.units import format_bytes, format_shape, parse_amp
 
-__all__ = ["OUTPUTS", "PredictionPlan", "plan_prediction", "predict"]
+__all__ = ["OUTPUTS", "PredictionPlan", "measure_plan", "plan_prediction", "predict"]
 
 OUTPUTS = ("logits", "probabilities", "labels")
 _TRIES = 5  # plans measured per search after the smallest (NOTE)
@@ -113,9 +113,10 @@ def _check(volume_shape: tuple[int, ...], output: str) -> tuple[int, ...]:
     return volume_shape
 
 
-def _measure(prediction: PredictionPlan, model: nn.Module) -> tuple[int, int]:
-    """Run the plan on meta under the tracker (its representative tiles): device and host
-    peaks."""
+def measure_plan(prediction: PredictionPlan, model: nn.Module, *,
+                 every_tile: bool = False) -> MemoryTracker:
+    """The plan run on meta under the tracker: its representative tiles (what its device
+    and host peaks need), or ``every_tile`` (what its FLOPs need, halos included)."""
     meta_model = meta_copy(model)
     input_name = prediction.capture.gm.graph.find_nodes(op="placeholder")[-1].name
     shape = prediction.shape
@@ -130,9 +131,9 @@ def _measure(prediction: PredictionPlan, model: nn.Module) -> tuple[int, int]:
             volume = torch.empty(shape, dtype=dtype, device="meta")
             tracker.register([volume], "input")
         out = run_plan(prediction.capture, prediction.plan, meta_model, volume, device,
-                       verify=True)
+                       verify=not every_tile)
         del out
-    return tracker.peak_bytes, tracker.host_peak_bytes
+    return tracker
 
 
 def plan_prediction(model: nn.Module, shape: tuple[int, ...], *, budget: str | int | None
@@ -159,8 +160,9 @@ def plan_prediction(model: nn.Module, shape: tuple[int, ...], *, budget: str | i
 
     def measured(plan: ForwardPlan) -> PredictionPlan:
         prediction = PredictionPlan(capture, plan, shape, amp, output, where)
-        prediction.verified_peak_bytes, prediction.verified_host_peak_bytes = \
-            _measure(prediction, model)
+        tracker = measure_plan(prediction, model)
+        prediction.verified_peak_bytes = tracker.peak_bytes
+        prediction.verified_host_peak_bytes = tracker.host_peak_bytes
         return prediction
 
     # "0.5x" is of the untiled forward's peak as the tracker measures it, like every peak

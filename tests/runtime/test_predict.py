@@ -15,7 +15,7 @@ import remat3d
 from remat3d.capture.forward import capture_forward
 from remat3d.errors import InfeasibleBudgetError, InputShapeError, PlanError
 from remat3d.planner.forward_tiles import plan_forward
-from remat3d.predicting import _measure, plan_prediction
+from remat3d.predicting import measure_plan, plan_prediction
 from remat3d.runtime.tiled_forward import run_plan
 
 from .sweep import NETWORKS
@@ -66,7 +66,9 @@ def _tiled_plan(model, x, output="logits"):
     except InfeasibleBudgetError as exc:
         plan = plan_forward(graph, exc.smallest_feasible_bytes)
     tiled = dataclasses.replace(base, plan=plan)
-    tiled.verified_peak_bytes, tiled.verified_host_peak_bytes = _measure(tiled, model)
+    tracker = measure_plan(tiled, model)
+    tiled.verified_peak_bytes = tracker.peak_bytes
+    tiled.verified_host_peak_bytes = tracker.host_peak_bytes
     return tiled
 
 

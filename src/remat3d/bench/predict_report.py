@@ -63,8 +63,7 @@ from remat3d.instrument.amp import MetaAutocast, amp_dtype
 from remat3d.instrument.state import placement
 from remat3d.instrument.step import meta_copy
 from remat3d.instrument.tracker import HOST, MemoryTracker
-from remat3d.predicting import PredictionPlan, plan_prediction, predict
-from remat3d.runtime.tiled_forward import run_plan
+from remat3d.predicting import PredictionPlan, measure_plan, plan_prediction, predict
 from remat3d.units import format_bytes, format_shape
 
 __all__ = ["WINDOWS", "SlidingWindowRun", "main", "plan_flops", "sliding_window_run"]
@@ -168,15 +167,7 @@ def sliding_window_run(model: nn.Module, shape: tuple[int, ...], roi: int, overl
 
 def plan_flops(prediction: PredictionPlan, model: nn.Module) -> int:
     """FLOPs of the whole plan, every tile run on meta (halo recomputation included)."""
-    meta_model = meta_copy(model)
-    shape = prediction.shape
-    dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    tracker = MemoryTracker("meta")
-    with tracker, torch.no_grad():
-        out = run_plan(prediction.capture, prediction.plan, meta_model,
-                       torch.empty(shape, dtype=dtype, device="meta"), torch.device("meta"))
-        del out
-    return tracker.flops["forward"]
+    return measure_plan(prediction, model, every_tile=True).flops["forward"]
 
 
 def _untiled_flops(model: nn.Module, shape: tuple[int, ...], amp: str | None) -> int:
