@@ -1,0 +1,691 @@
+"""Tiled regions of a partitioned graph, run tile by tile (``planner/graph_tiles.py``).
+
+NOTE [ Running tiled regions ]
+  1. ``tile_graph`` reads each node of an FX graph as a ``TileValue`` (what the op
+     computes decides its kind, from the tables below; an op no table names is
+     ``outside``), keeps as members those on the tiled grid, and replaces each convex
+     region by one call, its outputs picked from the call's result. Nodes after a region
+     that read none of its outputs stay where they were; those that do move after it.
+  2. Every member is computed for exactly the region its readers need, from operands
+     cropped to what it reads: a convolution reads its input window and pads with zeros
+     only where that window leaves the volume (its own padding), then runs unpadded; a
+     transposed convolution, and a convolution's input gradient, run on the slice of
+     their operand that reaches the region and crop the local result (zeros where nothing
+     reaches; a bias added after); pointwise ops, views and channel concatenations crop
+     every spatial operand, a view's shape taking the region's extent.
+  3. Sums over tiles accumulate in float32 (float64 for a normalisation's statistics,
+     merged as Chan et al. merge variances) and are cast to the op's own output dtype once
+     complete. A normalisation's output and input gradient are ``a * x + b`` (and
+     ``+ c * dy``) with per-channel coefficients from the whole tensor's sums, in float32,
+     cast back: every tiled value equals the untiled one up to rounding.
+  4. A region holds plain data only (the ops, their arguments with nodes named), so the
+     graph it sits in can be copied. Members the partition recomputes run inside
+     ``is_recomputing()``, as the graph's own recomputed ops do.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from remat3d.halo import (
+    CONV,
+    CONV_TRANSPOSE,
+    POINTWISE,
+    Region,
+    SpatialOp,
+    conv_input_interval,
+    conv_transpose_input_slices,
+)
+from remat3d.planner.graph_tiles import TiledRegion, TileValue, needed, regions_of
+
+__all__ = ["tile_graph"]
+
+aten = torch.ops.aten
+
+_POINTWISE = {
+    aten.leaky_relu.default, aten.leaky_relu_backward.default, aten.relu.default,
+    aten.threshold_backward.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
+    aten.div.Tensor, aten.add.Scalar, aten.mul.Scalar, aten.neg.default,
+    aten.where.self, aten.sigmoid.default, aten.sigmoid_backward.default,
+    aten.tanh.default, aten.tanh_backward.default, aten.gelu.default,
+    aten.gelu_backward.default, aten.silu.default, aten.hardtanh.default,
+    aten.hardtanh_backward.default, aten.elu.default, aten.elu_backward.default,
+    aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default,
+}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_CHANNELS = {aten.cat.default, aten.slice.Tensor}
+_NORMS = {aten._native_batch_norm_legit.no_stats, aten.native_group_norm.default}
+_NORM_BACKWARDS = {aten.native_batch_norm_backward.default,
+                   aten.native_group_norm_backward.default}
+_CONV_PARAMS = slice(3, 9)  # convolution: stride, padding, dilation, transposed, out_pad, groups
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, (tuple, list)) and value else value
+
+
+def _grid(node: Any) -> tuple[int, ...] | None:
+    t = _first(_val(node))
+    if isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[2:].numel() > 1:
+        return tuple(t.shape[2:])
+    return None
+
+
+# ----------------------------------------------------------------------------- reading nodes
+
+def _conv_op(kind: str, node: fx.Node) -> SpatialOp:
+    """The window relation of a convolution node's parameters (``kind``: which way)."""
+    stride, padding, dilation = (tuple(node.args[k]) for k in (3, 4, 5))
+    kernel = tuple(_val(node.args[1]).shape[2:])
+    return SpatialOp(kind, (0,), 1, kernel, stride, padding, dilation)
+
+
+def _conv_backward_op(node: fx.Node, kind: str) -> SpatialOp:
+    # convolution_backward(grad, input, weight, bias_sizes, stride, padding, dilation, ...)
+    stride, padding, dilation = (tuple(node.args[k]) for k in (4, 5, 6))
+    kernel = tuple(_val(node.args[2]).shape[2:])
+    return SpatialOp(kind, (0,), 1, kernel, stride, padding, dilation)
+
+
+_SAME = SpatialOp(POINTWISE, (0,), 1)
+
+
+def _value(node: fx.Node, grids: set[tuple[int, ...]], kinds: dict[str, str]) -> TileValue:
+    """``node`` as tiling sees it (NOTE rule 1 of ``planner/graph_tiles.py``); ``kinds``:
+    those of the nodes before it (a pick is a member only if its op is)."""
+    inputs = [a.name for a in node.all_input_nodes]
+    outside = TileValue(node.name, "outside", inputs, _grid(node))
+    if node.op != "call_function":
+        return outside
+    target, grid = node.target, _grid(node)
+    spatial = [a for a in node.all_input_nodes if _grid(a) is not None]
+    if target is operator.getitem:
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or kinds.get(source.name) not in ("reduce", "shell"):
+            return outside
+        return _pick(node, grids) or outside
+    if target is aten.convolution_backward.default:
+        return _conv_backward(node, grids) or outside
+    if target in _NORM_BACKWARDS | _NORMS:
+        if _grid(node.args[0]) not in grids:
+            return outside
+        if target in _NORM_BACKWARDS:
+            return _norm_backward(node)
+        if target is aten._native_batch_norm_legit.no_stats and not node.args[3]:
+            return outside  # in eval mode: pointwise, but not written here yet
+        return TileValue(node.name, "reduce", inputs, None, {node.args[0].name: _SAME},
+                         node.args[0].name)
+    if grid is None or grid not in grids:
+        return outside
+    if target in _POINTWISE or target in _VIEWS:
+        if all(_grid(a) == grid for a in spatial) and \
+                all(_val(a).dim() == 5 for a in spatial):
+            return TileValue(node.name, "local", inputs, grid,
+                             {a.name: _SAME for a in spatial})
+        return outside
+    if target in _CHANNELS:
+        dim = node.args[1] if target is aten.slice.Tensor else \
+            (node.args[1] if len(node.args) > 1 else 0)
+        if dim in (0, 1, -4, -5) and all(_grid(a) == grid for a in spatial):
+            return TileValue(node.name, "local", inputs, grid,
+                             {a.name: _SAME for a in spatial})
+        return outside
+    if target is aten.convolution.default and _val(node).dim() == 5:
+        transposed = bool(node.args[6])
+        if transposed and node.args[8] != 1:
+            return outside
+        x = node.args[0]
+        kind = CONV_TRANSPOSE if transposed else CONV
+        return TileValue(node.name, "local", inputs, grid, {x.name: _conv_op(kind, node)})
+    return outside
+
+
+def _conv_backward(node: fx.Node, grids: set[tuple[int, ...]]) -> TileValue | None:
+    """The weight and bias gradients of a convolution: a reduce over its output's
+    gradient (or a shell, when only the input gradient is asked for). Its input
+    gradient is a member of its own (``_pick``): on a grid not tiled, the op is not."""
+    grad, x = node.args[0], node.args[1]
+    transposed, groups, mask = bool(node.args[7]), node.args[9], node.args[10]
+    if (transposed and groups != 1) or _grid(grad) not in grids or \
+            (mask[0] and _grid(x) not in grids):
+        return None
+    inputs = [a.name for a in node.all_input_nodes]
+    if not (mask[1] or mask[2]):
+        return TileValue(node.name, "shell", inputs)
+    window = _conv_backward_op(node, CONV_TRANSPOSE if transposed else CONV)
+    return TileValue(node.name, "reduce", inputs, None,
+                     {grad.name: _SAME, x.name: window}, grad.name)
+
+
+def _norm_backward(node: fx.Node) -> TileValue:
+    dy, x = node.args[0], node.args[1]
+    if node.target is aten.native_batch_norm_backward.default and not node.args[7]:
+        return TileValue(node.name, "outside", [a.name for a in node.all_input_nodes])
+    return TileValue(node.name, "reduce", [a.name for a in node.all_input_nodes], None,
+                     {dy.name: _SAME, x.name: _SAME}, dy.name)
+
+
+def _pick(node: fx.Node, grids: set[tuple[int, ...]]) -> TileValue | None:
+    source, index = node.args
+    if not isinstance(source, fx.Node) or source.op != "call_function":
+        return None
+    target, grid = source.target, _grid(node)
+    if target is aten.convolution_backward.default and _grid(source.args[0]) in grids:
+        if index != 0:
+            return TileValue(node.name, "pick", [source.name])
+        grad, transposed = source.args[0], bool(source.args[7])
+        if grid is None or grid not in grids or (transposed and source.args[9] != 1):
+            return None
+        rel = _conv_backward_op(source, CONV if transposed else CONV_TRANSPOSE)
+        return TileValue(node.name, "local", [grad.name, source.args[2].name, source.name],
+                         grid, {grad.name: rel})
+    if target in _NORMS | _NORM_BACKWARDS and _grid(source.args[0]) in grids:
+        if index != 0:
+            return TileValue(node.name, "pick", [source.name])
+        spatial = source.args[:2] if target in _NORM_BACKWARDS else source.args[:1]
+        return TileValue(node.name, "local", [source.name] + [a.name for a in spatial],
+                         grid, {a.name: _SAME for a in spatial})
+    return None
+
+
+# ----------------------------------------------------------------------------- plain ops
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node an op's arguments name (NOTE rule 4)."""
+
+    name: str
+
+
+@dataclass
+class _Op:
+    name: str
+    target: Any
+    args: tuple
+    kwargs: dict
+    dtype: torch.dtype | None  # of its (first) output
+
+
+def _plain(node: fx.Node) -> _Op:
+    def ref(a: Any) -> Any:
+        return _Ref(a.name) if isinstance(a, fx.Node) else a
+
+    args = fx.node.map_aggregate(node.args, ref)
+    kwargs = fx.node.map_aggregate(node.kwargs, ref)
+    value = _first(_val(node))
+    return _Op(node.name, node.target, args, dict(kwargs),
+               value.dtype if isinstance(value, torch.Tensor) else None)
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def _crop(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
+    for axis, ((h0, _), (w0, w1)) in enumerate(zip(have, want)):
+        if (h0, t.shape[2 + axis]) != (w0, w1 - w0 + h0) or w0 != h0:
+            t = t.narrow(2 + axis, w0 - h0, w1 - w0)
+    return t
+
+
+def _fit(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
+    """``t`` (covering ``have``) on ``want``: cropped where it reaches beyond, zeros where
+    it does not reach."""
+    inner = tuple((max(h0, w0), min(h1, w1)) for (h0, h1), (w0, w1) in zip(have, want))
+    if any(lo >= hi for lo, hi in inner):
+        shape = (*t.shape[:2], *(hi - lo for lo, hi in want))
+        return t.new_zeros(shape)
+    t = _crop(t, have, inner)
+    pad: list[int] = []
+    for (lo, hi), (w0, w1) in reversed(list(zip(inner, want))):
+        pad += [lo - w0, w1 - hi]
+    return torch.constant_pad_nd(t, pad) if any(pad) else t
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least float32 (NOTE rule 3)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _extent(region: Region) -> list[int]:
+    return [hi - lo for lo, hi in region]
+
+
+class _Tile:
+    """The values one tile of one pass computes: ``name -> (tensor, region)``."""
+
+    def __init__(self, run: _RegionRun) -> None:
+        self.run = run
+        self.parts: dict[str, tuple[torch.Tensor, Region]] = {}
+
+    def get(self, name: str, want: Region) -> torch.Tensor:
+        """``name`` over ``want`` (inside its volume)."""
+        if name in self.parts:
+            t, have = self.parts[name]
+        else:
+            t = self.run.whole[name]
+            have = tuple((0, n) for n in t.shape[2:])
+        return _crop(t, have, want)
+
+    def window(self, name: str, want: Region) -> torch.Tensor:
+        """``name`` over ``want``, zeros where ``want`` leaves the volume."""
+        size = self.run.sizes[name]
+        inner = tuple((max(lo, 0), min(hi, n)) for (lo, hi), n in zip(want, size))
+        return _fit(self.get(name, inner), inner, want)
+
+    def arg(self, a: Any, want: Region) -> Any:
+        """An op's argument for a member computed over ``want``: spatial operands
+        cropped (NOTE rule 2), small values as they are."""
+        if isinstance(a, _Ref):
+            if a.name in self.run.sizes:
+                return self.get(a.name, want)
+            return self.run.small[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.arg(x, want) for x in a)
+        return a
+
+
+# ----------------------------------------------------------------------------- the region run
+
+class _RegionRun:
+    """One region, called with its inputs, returning its outputs (NOTE rules 2-4)."""
+
+    def __init__(self, region: TiledRegion, values: dict[str, TileValue],
+                 ops: dict[str, _Op], sizes: dict[str, tuple[int, ...]],
+                 tile: tuple[int, ...], recomputed: set[str]) -> None:
+        self.region = region
+        self.values = values
+        self.ops = ops
+        self.sizes = sizes  # every spatial value the region reads or makes
+        self.tile = tile
+        self.recomputed = recomputed
+        self.whole: dict[str, torch.Tensor] = {}
+        self.small: dict[str, Any] = {}
+        self.__name__ = f"tiled_region_{region.members[-1]}"
+
+    def __call__(self, *inputs: Any) -> tuple:
+        from remat3d.instrument.state import recomputing
+
+        region = self.region
+        for name, value in zip(region.inputs, inputs):
+            if name in self.sizes:
+                self.whole[name] = value
+            else:
+                self.small[name] = value
+        del inputs
+        try:
+            for step in range(region.passes):
+                self._pass(step, recomputing)
+            return tuple(self.whole[o] if o in self.sizes else self.small[o]
+                         for o in region.outputs)
+        finally:
+            self.whole, self.small = {}, {}
+
+    def _pass(self, step: int, recomputing: Any) -> None:
+        region, values = self.region, self.values
+        made_whole = [o for o in region.outputs if o in self.sizes and region.made[o] == step]
+        for name in made_whole:
+            op = self.ops[name]
+            shape = (*self._channels(name), *self.sizes[name])
+            self.whole[name] = torch.empty(shape, dtype=op.dtype, device=self._device())
+        reduces = [m for m in region.members
+                   if values[m].kind == "reduce" and region.made[m] == step]
+        sums: dict[str, Any] = {}
+        done = set(self.whole) - set(made_whole)
+        for tile in region.tiles(self.tile):
+            want = needed(region, values, step, tile, done)
+            part = _Tile(self)
+            for name in region.members:
+                v = values[name]
+                if name not in want or v.kind != "local" or name in done:
+                    continue
+                if name in self.recomputed:
+                    with recomputing():
+                        part.parts[name] = (self._local(part, name, want[name]), want[name])
+                else:
+                    part.parts[name] = (self._local(part, name, want[name]), want[name])
+            for name in reduces:
+                owned = want.get(name)
+                if owned is not None and all(hi > lo for lo, hi in owned):
+                    sums[name] = _add(sums.get(name), self._partial(part, name, owned))
+            for name in made_whole:
+                owned = want[name]
+                t, have = part.parts[name]
+                own = tuple((0, n) for n in self.sizes[name])
+                _crop(self.whole[name], own, owned).copy_(_crop(t, have, owned))
+            del part
+        for name in reduces:
+            self.small[name] = self._finish(name, sums.get(name))
+        for name in region.members:
+            v = values[name]
+            if v.kind == "pick" and v.inputs[0] in self.small and name not in self.small:
+                index = self.ops[name].args[1]
+                self.small[name] = self.small[v.inputs[0]][index]
+
+    def _device(self) -> torch.device:
+        for t in self.whole.values():
+            return t.device
+        return torch.device("cpu")
+
+    def _channels(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name][:2]
+
+    # -- members over a region -------------------------------------------------------------
+    def _local(self, part: _Tile, name: str, want: Region) -> torch.Tensor:
+        op = self.ops[name]
+        target = op.target
+        if target is operator.getitem:
+            source = self.ops[op.args[0].name]
+            if source.target is aten.convolution_backward.default:
+                out = self._input_gradient(part, source, want)
+            elif source.target in _NORM_BACKWARDS:
+                a, b, c = self.small[source.name][3]
+                dy = _wide(part.get(source.args[0].name, want))
+                x = _wide(part.get(source.args[1].name, want))
+                out = torch.addcmul(torch.addcmul(c, b, x), a, dy)
+            else:  # a normalisation's output
+                scale, shift = self.small[source.name][3]
+                x = _wide(part.get(source.args[0].name, want))
+                out = torch.addcmul(shift, scale, x.unflatten(1, (scale.shape[1], -1))
+                                    ).flatten(1, 2) if scale.dim() == 6 else \
+                    torch.addcmul(shift, scale, x)
+            return out.to(op.dtype)
+        if target is aten.convolution.default:
+            return self._convolution(part, op, want)
+        args = part.arg(op.args, want)
+        if target in _VIEWS:
+            args = (args[0], [*args[1][:-3], *_extent(want)])
+        return target(*args, **part.arg(op.kwargs, want))
+
+    def _convolution(self, part: _Tile, op: _Op, want: Region) -> torch.Tensor:
+        x, w, b = op.args[0], self.small[op.args[1].name], \
+            self.small[op.args[2].name] if op.args[2] is not None else None
+        stride, padding, dilation, transposed, _, groups = op.args[_CONV_PARAMS]
+        kernel = w.shape[2:]
+        zeros = [0, 0, 0]
+        if not transposed:
+            window = tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
+                                               padding=padding[a], dilation=dilation[a])
+                           for a, (lo, hi) in enumerate(want))
+            return aten.convolution(part.window(x.name, window), w, b, stride, zeros,
+                                    dilation, False, zeros, groups)
+        slices, starts = conv_transpose_input_slices(
+            want, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+            size=self.sizes[x.name])
+        local = aten.convolution(part.get(x.name, slices), w, None, stride, zeros, dilation,
+                                 True, zeros, groups)
+        have = tuple((s, s + n) for s, n in zip(starts, local.shape[2:]))
+        out = _fit(local, have, want)
+        return out if b is None else out + b.view(1, -1, 1, 1, 1).to(out.dtype)
+
+    def _input_gradient(self, part: _Tile, source: _Op, want: Region) -> torch.Tensor:
+        grad, w = source.args[0].name, self.small[source.args[2].name]
+        stride, padding, dilation, transposed, _, groups = source.args[4:10]
+        kernel, zeros = w.shape[2:], [0, 0, 0]
+        if transposed:  # the input gradient of a transposed convolution is a convolution
+            window = tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
+                                               padding=padding[a], dilation=dilation[a])
+                           for a, (lo, hi) in enumerate(want))
+            return aten.convolution(part.window(grad, window), w, None, stride, zeros,
+                                    dilation, False, zeros, groups)
+        slices, starts = conv_transpose_input_slices(
+            want, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+            size=self.sizes[grad])
+        local = aten.convolution(part.get(grad, slices), w, None, stride, zeros, dilation,
+                                 True, zeros, groups)
+        return _fit(local, tuple((s, s + n) for s, n in zip(starts, local.shape[2:])), want)
+
+    # -- sums over tiles ------------------------------------------------------------------
+    def _partial(self, part: _Tile, name: str, owned: Region) -> Any:
+        op = self.ops[name]
+        if op.target is aten.convolution_backward.default:
+            return self._weight_gradient(part, op, owned)
+        if op.target in _NORMS:
+            x = part.get(op.args[0].name, owned)
+            x6 = _wide(x).unflatten(1, (self._groups(op), -1))
+            dims = (0, 2, 3, 4, 5) if op.target in _BATCH else (2, 3, 4, 5)
+            var, mean = torch.var_mean(x6, dims, correction=0, keepdim=True)
+            n = x6.numel() // (mean.numel())
+            return (n, mean.double(), var.double() * n)
+        dy = _wide(part.get(op.args[0].name, owned))
+        x = _wide(part.get(op.args[1].name, owned))
+        dims = (2, 3, 4)
+        return ((dy * x).sum(dims, dtype=torch.float64), dy.sum(dims, dtype=torch.float64))
+
+    def _weight_gradient(self, part: _Tile, op: _Op, owned: Region) -> tuple:
+        grad, x, w = op.args[0].name, op.args[1].name, self.small[op.args[2].name]
+        bias_sizes, stride, padding, dilation, transposed, _, groups, mask = op.args[3:11]
+        kernel, zeros = w.shape[2:], [0, 0, 0]
+        wanted = [False, bool(mask[1]), bool(mask[2])]
+        if not transposed:
+            window = tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
+                                               padding=padding[a], dilation=dilation[a])
+                           for a, (lo, hi) in enumerate(owned))
+            _, gw, gb = aten.convolution_backward(
+                part.get(grad, owned), part.window(x, window), w, bias_sizes, stride, zeros,
+                dilation, False, zeros, groups, wanted)
+        else:
+            slices, starts = conv_transpose_input_slices(
+                owned, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                size=self.sizes[x])
+            extent = tuple((s, s + (hi - lo - 1) * stride[a] + (kernel[a] - 1) * dilation[a] + 1)
+                           for a, (s, (lo, hi)) in enumerate(zip(starts, slices)))
+            g = _fit(part.get(grad, owned), owned, extent)
+            _, gw, gb = aten.convolution_backward(
+                g, part.get(x, slices), w, bias_sizes, stride, zeros, dilation, True, zeros,
+                groups, wanted)
+        return (None if gw is None else _wide(gw), None if gb is None else _wide(gb))
+
+    def _groups(self, op: _Op) -> int:
+        if op.target is aten.native_group_norm.default:
+            return int(op.args[6])
+        return self._shapes[op.args[0].name][1]
+
+    def _finish(self, name: str, total: Any) -> tuple:
+        """A reduce's outputs once every tile is summed (NOTE rule 3); the fourth entry
+        holds the coefficients its local pick computes with."""
+        op = self.ops[name]
+        dtypes = self._dtypes[name]
+        if op.target is aten.convolution_backward.default:
+            gw, gb = total
+            return (None, None if gw is None else gw.to(dtypes[1]),
+                    None if gb is None else gb.to(dtypes[2]))
+        if op.target in _NORMS:
+            return self._norm(op, total, dtypes)
+        return self._norm_backward(op, total, dtypes)
+
+    def _norm(self, op: _Op, total: Any, dtypes: list) -> tuple:
+        n, mean, m2 = total
+        eps = float(op.args[-1])
+        rstd = (m2 / n + eps).rsqrt()
+        channels = self._shapes[op.args[0].name][1]
+        weight = self._affine(op.args[1], channels)
+        bias = self._affine(op.args[2], channels) if op.args[2] is not None else \
+            torch.zeros(channels, dtype=torch.float64, device=self._device())
+        if op.target in _BATCH:  # statistics per channel: (1, C, 1, ...)
+            scale = rstd.view(1, -1, 1, 1, 1) * weight.view(1, -1, 1, 1, 1)
+            shift = bias.view(1, -1, 1, 1, 1) - mean.view(1, -1, 1, 1, 1) * scale
+            stats = (mean.view(-1), rstd.view(-1))
+        else:  # per (sample, group): scale (N, G, C/G, 1, 1, 1)
+            groups = mean.shape[1]
+            w6 = weight.view(1, groups, -1, 1, 1, 1)
+            scale = rstd * w6
+            shift = bias.view(1, groups, -1, 1, 1, 1) - mean * scale
+            stats = (mean.view(mean.shape[0], groups), rstd.view(mean.shape[0], groups))
+        wide = torch.promote_types(dtypes[0], torch.float32)
+        return (None, stats[0].to(dtypes[1]), stats[1].to(dtypes[2]),
+                (scale.to(wide), shift.to(wide)))
+
+    def _affine(self, a: Any, channels: int) -> torch.Tensor:
+        """A normalisation's weight or bias (1 or 0 when it has none: ``bias`` False)."""
+        if a is None:
+            return torch.ones(channels, dtype=torch.float64, device=self._device())
+        return self.small[a.name].double()
+
+    def _norm_backward(self, op: _Op, total: Any, dtypes: list) -> tuple:
+        ds, db = total  # per (sample, channel), float64
+        x_shape = self._shapes[op.args[1].name]
+        mask = op.args[-1]
+        if op.target is aten.native_batch_norm_backward.default:
+            mean = self.small[op.args[5].name].double()
+            invstd = self.small[op.args[6].name].double()
+            weight = self._affine(op.args[2], x_shape[1])
+            count = x_shape[0] * x_shape[2] * x_shape[3] * x_shape[4]
+            db_c, ds_c = db.sum(0), ds.sum(0)
+            dot = ds_c - mean * db_c  # sum of dy * (x - mean)
+            a = invstd * weight
+            k = invstd * invstd * dot / count
+            b = -a * k
+            c = -a * db_c / count - mean * b
+            coeff = tuple(t.view(1, -1, 1, 1, 1) for t in (a, b, c))
+            gw, gb = dot * invstd, db_c
+        else:  # native_group_norm_backward(dy, x, mean, rstd, weight, N, C, HxW, group, mask)
+            mean = self.small[op.args[2].name].double()  # (N, G)
+            rstd = self.small[op.args[3].name].double()
+            groups = int(op.args[8])
+            n, channels = x_shape[0], x_shape[1]
+            weight = self._affine(op.args[4], channels).expand(channels)
+            per = channels // groups
+            count = per * x_shape[2] * x_shape[3] * x_shape[4]
+            ds_g = (ds * weight).view(n, groups, per).sum(-1)
+            db_g = (db * weight).view(n, groups, per).sum(-1)
+            c2 = (db_g * mean - ds_g) * rstd.pow(3) / count
+            c3 = -c2 * mean - db_g * rstd / count
+
+            def per_channel(t: torch.Tensor) -> torch.Tensor:
+                return t.repeat_interleave(per, dim=1)
+
+            a = per_channel(rstd) * weight
+            coeff = tuple(t.view(n, channels, 1, 1, 1)
+                          for t in (a, per_channel(c2), per_channel(c3)))
+            gw = ((ds - db * per_channel(mean)) * per_channel(rstd)).sum(0)
+            gb = db.sum(0)
+        wide = torch.promote_types(dtypes[0], torch.float32)
+        return (None, gw.to(dtypes[1]) if mask[1] else None,
+                gb.to(dtypes[2]) if mask[2] else None, tuple(t.to(wide) for t in coeff))
+
+
+_BATCH = {aten._native_batch_norm_legit.no_stats}
+
+
+def _add(total: Any, partial: Any) -> Any:
+    if total is None:
+        return partial
+    if isinstance(partial, tuple) and len(partial) == 3 and isinstance(partial[0], int):
+        n0, mean0, m20 = total  # Chan et al.'s merge
+        n1, mean1, m21 = partial
+        count = n0 + n1
+        delta = mean1 - mean0
+        return (count, mean0 + delta * (n1 / count),
+                m20 + m21 + delta.square() * (n0 * n1 / count))
+    return tuple(None if a is None else a + b for a, b in zip(total, partial))
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
+    values: list[TileValue] = []
+    kinds: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            values.append(_value(node, grids, kinds))
+            kinds[node.name] = values[-1].kind
+    return values
+
+
+def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...],
+               recomputed: Iterable[str] = ()) -> list[TiledRegion]:
+    """Replace the ops of ``gm`` on its finest grid by tiled regions run in tiles of
+    ``tile`` (NOTE rule 1); returns the regions."""
+    grids = [g for g in (_grid(n) for n in gm.graph.nodes) if g is not None]
+    if not grids:
+        return []
+    finest = max(grids, key=lambda s: s[0] * s[1] * s[2])
+    values = _values(gm, {finest})
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    returned = [a.name for a in output.all_input_nodes]
+    regions = regions_of(values, returned)
+    if not regions:
+        return []
+    nodes = {n.name: n for n in gm.graph.nodes}
+    by_name = {v.name: v for v in values}
+    owner = {m: k for k, r in enumerate(regions) for m in r.members}
+    runs = []
+    for region in regions:
+        names = set(region.members) | set(region.inputs)
+        # spatial: the members made on a grid and what their windows read (a weight is
+        # 5-D too, but read whole)
+        spatial = {m for m in region.members if by_name[m].size is not None} | \
+            {i for m in region.members for i in by_name[m].relations}
+        ops = {m: _plain(nodes[m]) for m in region.members}
+        sizes = {n: _grid(nodes[n]) for n in spatial}
+        run = _RegionRun(region, by_name, ops, sizes, tile, set(recomputed))
+        run._shapes = {n: tuple(_first(_val(nodes[n])).shape) for n in names
+                       if isinstance(_first(_val(nodes[n])), torch.Tensor)}
+        run._dtypes = {m: [t.dtype if isinstance(t, torch.Tensor) else None
+                           for t in (_val(nodes[m]) if isinstance(_val(nodes[m]), (tuple, list))
+                                     else [_val(nodes[m])])]
+                       for m in region.members}
+        runs.append(run)
+    _rewrite(gm, regions, runs, owner)
+    return regions
+
+
+def _rewrite(gm: fx.GraphModule, regions: list[TiledRegion], runs: list[_RegionRun],
+             owner: dict[str, int]) -> None:
+    """Rebuild ``gm``'s graph with each region one call (NOTE rule 1): a topological order
+    of the graph with each region one unit, each unit placed as early as its inputs allow
+    in the order of its first node (the original order, where no region moves anything)."""
+    import heapq
+
+    old = gm.graph
+    nodes = [n for n in old.nodes if n.op != "output"]
+    (output,) = [n for n in old.nodes if n.op == "output"]
+    index = {n.name: k for k, n in enumerate(nodes)}
+    unit = {n.name: ("r", owner[n.name]) if n.name in owner else ("n", n.name) for n in nodes}
+    first: dict[tuple, int] = {}
+    needs: dict[tuple, set] = {}
+    for n in nodes:
+        u = unit[n.name]
+        first[u] = min(first.get(u, index[n.name]), index[n.name])
+        needs.setdefault(u, set()).update(unit[a.name] for a in n.all_input_nodes
+                                          if unit[a.name] != u)
+    users: dict[tuple, list] = {}
+    for u, deps in needs.items():
+        for d in deps:
+            users.setdefault(d, []).append(u)
+    waiting = {u: len(deps) for u, deps in needs.items()}
+    heap = [(first[u], u) for u, k in waiting.items() if k == 0]
+    heapq.heapify(heap)
+    new = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    by_name = {n.name: n for n in nodes}
+    while heap:
+        _, u = heapq.heappop(heap)
+        if u[0] == "n":
+            env[u[1]] = new.node_copy(by_name[u[1]], lambda a: env[a.name])
+        else:
+            region, run = regions[u[1]], runs[u[1]]
+            call = new.call_function(run, tuple(env[i] for i in region.inputs))
+            call.meta["val"] = None
+            for j, name in enumerate(region.outputs):
+                pick = new.call_function(operator.getitem, (call, j))
+                pick.meta = dict(by_name[name].meta)
+                env[name] = pick
+        for v in users.get(u, []):
+            waiting[v] -= 1
+            if waiting[v] == 0:
+                heapq.heappush(heap, (first[v], v))
+    assert len(env) >= len(nodes) - len(owner), "a tiled region is not convex"
+    new.output(fx.node.map_arg(output.args[0], lambda a: env[a.name]))
+    gm.graph = new
+    new.lint()
+    gm.recompile()

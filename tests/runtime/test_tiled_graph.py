@@ -1,0 +1,85 @@
+"""Graph plans with tiled regions (runtime/tiled_graph.py): each tiled value equals the
+untiled one up to rounding, so a tiled step's gradients are those of the untiled graph
+plan in float64 and no further from float64 in float32 than the unplanned step's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from remat3d.capture.joint import capture
+from remat3d.planner.liveness import closed_recompute
+from remat3d.runtime.graph_run import apply_graph_plan
+
+
+def _nnunetv2():
+    pytest.importorskip("dynamic_network_architectures")
+    from remat3d.zoo.presets import get_preset
+
+    return get_preset("nnunetv2").factory(strides=[1, 2, 2], features_per_stage=[4, 8, 16])
+
+
+def _segresnet():
+    from monai.networks.nets import SegResNet
+
+    return SegResNet(init_filters=4, blocks_down=(1, 2), blocks_up=(1,),
+                     norm=("GROUP", {"num_groups": 2}))
+
+
+def _unet():
+    from monai.networks.nets import UNet
+
+    return UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1,
+                norm="instance")
+
+
+NETS = {"nnunetv2-instancenorm": (_nnunetv2, 32), "segresnet-groupnorm": (_segresnet, 16),
+        "unet-instancenorm": (_unet, 16)}
+
+
+def _grads(model, x, dtype, tile=None, recompute=()):
+    model = copy.deepcopy(model).to(dtype)
+    if tile is not None:
+        apply_graph_plan(model, recompute, tile=tile)
+    out = model(x.to(dtype))
+    torch.manual_seed(1)
+    weight = torch.randn(out.shape, dtype=torch.float64)
+    (out * weight.to(dtype)).sum().backward()
+    return out.double(), [torch.zeros_like(p, dtype=torch.float64) if p.grad is None
+                          else p.grad.double() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("net", NETS)
+def test_tiled_step_is_the_untiled_step_up_to_rounding(net):
+    factory, size = NETS[net]
+    torch.manual_seed(0)
+    model = factory()
+    x = torch.randn(1, 1, size, size, size)
+    graph = capture(model, tuple(x.shape)).graph
+    # every forward op recomputed: the backward's full-resolution work all tiled
+    recompute = sorted(closed_recompute(graph, [n.name for n in graph.nodes
+                                                if n.phase == "forward"]))
+    tile = (size // 4, size // 2, size // 4)
+    out64, ref64 = _grads(model, x, torch.float64)
+    out_t64, tiled64 = _grads(model, x, torch.float64, tile, recompute)
+    assert torch.allclose(out_t64, out64, rtol=1e-10, atol=1e-12)
+    scale = max(g.abs().max().item() for g in ref64)
+    for a, b in zip(ref64, tiled64):
+        assert (a - b).abs().max().item() <= 1e-10 * scale
+    # float32: no further from float64 than the unplanned float32 step (NOTE rule 3):
+    # the whole gradient, and each parameter's up to rounding noise (a few float32 ulps
+    # of its own gradient, or 1e-7 of the step's: a bias before a normalisation has a
+    # gradient of zero, and any two float32 steps differ there by noise alone)
+    _, ref32 = _grads(model, x, torch.float32)
+    _, tiled32 = _grads(model, x, torch.float32, tile, recompute)
+
+    def error(grads):
+        return torch.cat([(a - b).flatten() for a, b in zip(ref64, grads)]).norm().item()
+
+    assert error(tiled32) <= 2 * error(ref32)
+    total = torch.cat([a.flatten() for a in ref64]).norm().item()
+    for a, b, c in zip(ref64, ref32, tiled32):
+        floor = 1e-6 * a.norm().item() + 1e-7 * total
+        assert (a - c).norm().item() <= 2 * max((a - b).norm().item(), floor)
