@@ -632,6 +632,12 @@ class MemoryTracker(TorchDispatchMode):
         self.timeline.append(TimelineEvent(op, node, phase, live, live + repeat.high))
         return node
 
+    def add_flops(self, phase: str, flops: int) -> None:
+        """Book ``flops`` of work not run here but standing for what was (identical tiles
+        measured once on fake tensors: ``runtime/tiled_graph.py`` NOTE rule 5)."""
+        if flops:
+            self._add_flops((None, phase), flops)
+
     def _add_flops(self, key: tuple[int | None, str], flops: int) -> None:
         self.flops[key[1]] += flops
         self._flops_total += flops

@@ -21,6 +21,10 @@ NOTE [ Running tiled regions ]
   4. A region holds plain data only (the ops, their arguments with nodes named), so the
      graph it sits in can be copied. Members the partition recomputes run inside
      ``is_recomputing()``, as the graph's own recomputed ops do.
+  5. On fake tensors (a plan measured) a pass runs one tile: of the kinds of tiles
+     (``planner/graph_tiles.py`` NOTE rule 5), the one whose parts hold the most bytes
+     (its working set is every tile's largest). Each member's FLOPs per voxel of its
+     region, booked by the tracker for that tile, count for its regions in every tile.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat3d.halo import (
     CONV,
@@ -42,6 +47,7 @@ from remat3d.halo import (
     conv_input_interval,
     conv_transpose_input_slices,
 )
+from remat3d.instrument.tracker import active_tracker
 from remat3d.planner.graph_tiles import TiledRegion, TileValue, needed, regions_of
 
 __all__ = ["tile_graph"]
@@ -230,10 +236,18 @@ def _plain(node: fx.Node) -> _Op:
 # ----------------------------------------------------------------------------- tensors
 
 def _crop(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
+    """The part of ``t`` (covering ``have``) covering ``want`` (a view)."""
     for axis, ((h0, _), (w0, w1)) in enumerate(zip(have, want)):
-        if (h0, t.shape[2 + axis]) != (w0, w1 - w0 + h0) or w0 != h0:
+        if w0 != h0 or w1 - w0 != t.shape[2 + axis]:
             t = t.narrow(2 + axis, w0 - h0, w1 - w0)
     return t
+
+
+def _voxels(region: Region) -> int:
+    n = 1
+    for lo, hi in region:
+        n *= max(hi - lo, 0)
+    return n
 
 
 def _fit(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
@@ -340,28 +354,24 @@ class _RegionRun:
                    if values[m].kind == "reduce" and region.made[m] == step]
         sums: dict[str, Any] = {}
         done = set(self.whole) - set(made_whole)
-        for tile in region.tiles(self.tile):
-            want = needed(region, values, step, tile, done)
-            part = _Tile(self)
-            for name in region.members:
-                v = values[name]
-                if name not in want or v.kind != "local" or name in done:
-                    continue
-                if name in self.recomputed:
-                    with recomputing():
-                        part.parts[name] = (self._local(part, name, want[name]), want[name])
-                else:
-                    part.parts[name] = (self._local(part, name, want[name]), want[name])
-            for name in reduces:
-                owned = want.get(name)
-                if owned is not None and all(hi > lo for lo, hi in owned):
-                    sums[name] = _add(sums.get(name), self._partial(part, name, owned))
-            for name in made_whole:
-                owned = want[name]
-                t, have = part.parts[name]
-                own = tuple((0, n) for n in self.sizes[name])
-                _crop(self.whole[name], own, owned).copy_(_crop(t, have, owned))
-            del part
+        if self._fake():  # NOTE rule 5
+            classes = [(t, k, needed(region, values, step, t, done))
+                       for t, k in region.tile_classes(self.tile)]
+            largest = max(classes, key=lambda c: sum(
+                _voxels(r) * self._voxel_bytes(m) for m, r in c[2].items()))
+            tracker = active_tracker()
+            rates = self._tile(step, largest[0], largest[2], made_whole, reduces, sums,
+                               recomputing, tracker)
+            if tracker is not None:
+                for phase, rate in rates.items():
+                    total = sum(k * sum(r * _voxels(want[m]) for m, r in rate.items()
+                                        if m in want) for _, k, want in classes)
+                    run = sum(r * _voxels(largest[2][m]) for m, r in rate.items())
+                    tracker.add_flops(phase, round(total - run))
+        else:
+            for tile in region.tiles(self.tile):
+                self._tile(step, tile, needed(region, values, step, tile, done), made_whole,
+                           reduces, sums, recomputing, None)
         for name in reduces:
             self.small[name] = self._finish(name, sums.get(name))
         for name in region.members:
@@ -369,6 +379,61 @@ class _RegionRun:
             if v.kind == "pick" and v.inputs[0] in self.small and name not in self.small:
                 index = self.ops[name].args[1]
                 self.small[name] = self.small[v.inputs[0]][index]
+
+    def _tile(self, step: int, tile: Region, want: dict[str, Region],
+              made_whole: list[str], reduces: list[str], sums: dict[str, Any],
+              recomputing: Any, tracker: Any) -> dict[str, dict[str, float]]:
+        """One tile of one pass: its members over what the pass needs of them, its
+        reduces' partial sums, its part of the outputs made whole. With ``tracker``, the
+        FLOPs each member booked per voxel of its region (NOTE rule 5), by phase."""
+        rates: dict[str, dict[str, float]] = {}
+        part = _Tile(self)
+        done = set(self.whole) - set(made_whole)
+
+        def booked(name: str, region: Region, before: dict[str, int]) -> None:
+            for phase, n in tracker.flops.items():
+                if n != before[phase] and _voxels(region):
+                    rates.setdefault(phase, {})[name] = (n - before[phase]) / _voxels(region)
+
+        for name in self.region.members:
+            if name not in want or self.values[name].kind != "local" or name in done:
+                continue
+            before = dict(tracker.flops) if tracker is not None else {}
+            if name in self.recomputed:
+                with recomputing():
+                    value = self._local(part, name, want[name])
+            else:
+                value = self._local(part, name, want[name])
+            part.parts[name] = (value, want[name])
+            if tracker is not None:
+                booked(name, want[name], before)
+        for name in reduces:
+            owned = want.get(name)
+            if owned is not None and _voxels(owned):
+                before = dict(tracker.flops) if tracker is not None else {}
+                sums[name] = _add(sums.get(name), self._partial(part, name, owned))
+                if tracker is not None:
+                    booked(name, owned, before)
+        for name in made_whole:
+            owned = want[name]
+            t, have = part.parts[name]
+            own = tuple((0, n) for n in self.sizes[name])
+            _crop(self.whole[name], own, owned).copy_(_crop(t, have, owned))
+        return rates
+
+    def _voxel_bytes(self, name: str) -> int:
+        """What one voxel of ``name`` holds, all its channels (0: a reduce's sums)."""
+        op = self.ops.get(name)
+        if name not in self.sizes or (op is not None and self.values[name].kind != "local"):
+            return 0
+        dtype = op.dtype if op is not None else self.whole[name].dtype
+        shape = self._shapes[name]
+        return shape[0] * shape[1] * (dtype.itemsize if dtype is not None else 4)
+
+    def _fake(self) -> bool:
+        """Whether this run is measured on fake tensors (NOTE rule 5): its values are
+        never read, so one tile of each kind runs for all of them."""
+        return any(isinstance(t, FakeTensor) for t in self.whole.values())
 
     def _device(self) -> torch.device:
         for t in self.whole.values():
