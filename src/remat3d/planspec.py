@@ -25,8 +25,8 @@ from remat3d.errors import PlanError
 from remat3d.graph import atomic_write_text
 from remat3d.units import format_bytes, format_shape
 
-__all__ = ["DECISIONS", "GRAPH_BACKENDS", "OBJECTIVES", "PLAN_SCHEMA", "Plan", "PlanError",
-           "Region"]
+__all__ = ["DECISIONS", "GRAPH_BACKENDS", "OBJECTIVES", "PLAN_SCHEMA", "GraphTiling", "Plan",
+           "PlanError", "Region"]
 
 PLAN_SCHEMA = "remat3d.plan/1"
 # how a graph plan's graphs run: "eager" op by op (bitwise eager), "inductor" compiled
@@ -35,6 +35,31 @@ GRAPH_BACKENDS = ("eager", "inductor")
 # what a plan minimises (planner/optimal.py Costs.objective)
 OBJECTIVES = ("time", "flops")
 DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may say
+
+
+@dataclass(frozen=True)
+class GraphTiling:
+    """How a graph plan tiles (``runtime/tiled_graph.py``): the ops of its ``levels``
+    finest grids run in tiled regions of tiles ``tile`` (on the finest grid), each region
+    stashing what a later pass reads when ``stash`` (``planner/graph_tiles.py``)."""
+
+    tile: tuple[int, int, int]
+    levels: int = 1
+    stash: bool = False
+
+    def __post_init__(self) -> None:
+        tile = tuple(int(t) for t in self.tile)
+        object.__setattr__(self, "tile", tile)
+        if len(tile) != 3 or min(tile) < 1:
+            raise PlanError(f"graph_tiling.tile is {list(self.tile)}; a tile is three edges "
+                            "of at least one voxel, [D, H, W].")
+        if self.levels < 1:
+            raise PlanError(f"graph_tiling.levels is {self.levels}; at least the finest "
+                            "grid (1) is tiled.")
+        if any(t % 2 ** (self.levels - 1) for t in tile):
+            raise PlanError(f"graph_tiling.tile {list(tile)} tiles {self.levels} grids: each "
+                            f"edge must be a multiple of {2 ** (self.levels - 1)} so that "
+                            "tiles of the coarser grids line up.")
 
 
 @dataclass
@@ -227,6 +252,8 @@ class Plan:
     # the graph plan's step graph (capture/joint.py, graph_digest): a step whose graph
     # differs (another precision, model or torch) is refused, not run with this plan
     graph_digest: str | None = None
+    # a graph plan's tiled regions (runtime/tiled_graph.py); None: nothing tiled
+    graph_tiling: GraphTiling | None = None
     # how the graph plan's graphs run: "eager" (op by op, eager's kernels: bitwise) or
     # "inductor" (compiled by inductor, runtime/inductor.py; remat3d.plan(compiled=True))
     graph_backend: str = "eager"
@@ -239,6 +266,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.regions = [r if isinstance(r, Region) else Region(**r) for r in self.regions]
+        if isinstance(self.graph_tiling, dict):
+            self.graph_tiling = GraphTiling(**self.graph_tiling)
+        if self.graph_tiling is not None and self.graph_recompute is None:
+            raise PlanError("graph_tiling is for a graph plan (graph_recompute); module "
+                            "plans tile with tile regions.")
         for region in self.regions:
             region.check()
         if self.graph_recompute is not None and self.regions:
@@ -267,7 +299,8 @@ class Plan:
     @property
     def tiled(self) -> bool:
         """Whether any region runs tiled (its extra FLOPs are then more than recomputation)."""
-        return any(r.decision == Decision.TILE for r in self.regions)
+        return self.graph_tiling is not None or \
+            any(r.decision == Decision.TILE for r in self.regions)
 
     @property
     def offloads(self) -> bool:
@@ -345,6 +378,11 @@ class Plan:
             lines = [(f"remat3d graph plan: {len(self.graph_recompute)} ops of the step's "
                      f"graph recomputed in backward{twice}"
                      f"{', compiled by inductor' if self.graph_backend == 'inductor' else ''}")]
+            if self.graph_tiling is not None:
+                t = self.graph_tiling
+                grids = "finest grid" if t.levels == 1 else f"{t.levels} finest grids"
+                lines.append(f"  tiled: the {grids} in tiles of {format_shape(t.tile)}"
+                             f"{', stashing what later passes read' if t.stash else ''}")
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
             objective = "" if self.objective == "time" else f" objective={self.objective}"

@@ -11,6 +11,7 @@ import torch
 
 from remat3d.capture.joint import capture
 from remat3d.planner.liveness import closed_recompute
+from remat3d.planspec import GraphTiling
 from remat3d.runtime.graph_run import apply_graph_plan
 
 
@@ -42,7 +43,7 @@ NETS = {"nnunetv2-instancenorm": (_nnunetv2, 32), "segresnet-groupnorm": (_segre
 def _grads(model, x, dtype, tile=None, recompute=()):
     model = copy.deepcopy(model).to(dtype)
     if tile is not None:
-        apply_graph_plan(model, recompute, tile=tile)
+        apply_graph_plan(model, recompute, tiling=tile)
     out = model(x.to(dtype))
     torch.manual_seed(1)
     weight = torch.randn(out.shape, dtype=torch.float64)
@@ -51,8 +52,9 @@ def _grads(model, x, dtype, tile=None, recompute=()):
                           else p.grad.double() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("levels,stash", [(1, False), (2, True)])
 @pytest.mark.parametrize("net", NETS)
-def test_tiled_step_is_the_untiled_step_up_to_rounding(net):
+def test_tiled_step_is_the_untiled_step_up_to_rounding(net, levels, stash):
     factory, size = NETS[net]
     torch.manual_seed(0)
     model = factory()
@@ -61,7 +63,7 @@ def test_tiled_step_is_the_untiled_step_up_to_rounding(net):
     # every forward op recomputed: the backward's full-resolution work all tiled
     recompute = sorted(closed_recompute(graph, [n.name for n in graph.nodes
                                                 if n.phase == "forward"]))
-    tile = (size // 4, size // 2, size // 4)
+    tile = GraphTiling((size // 4, size // 2, size // 4), levels, stash)
     out64, ref64 = _grads(model, x, torch.float64)
     out_t64, tiled64 = _grads(model, x, torch.float64, tile, recompute)
     assert torch.allclose(out_t64, out64, rtol=1e-10, atol=1e-12)

@@ -30,6 +30,9 @@ NOTE [ Tiled regions of a graph ]
      needs of each member is found backward through the members' window relations
      (bounding boxes): members made in earlier passes and not made whole are computed
      again per tile, with their halos.
+  6. A member a later pass reads is computed again per tile there, with its halo, unless
+     it is *stashed*: made whole (tile by tile, over owned parts) in the pass that makes
+     it and read whole after. A stash trades its bytes for the work of recomputing it.
   5. Tiles differ only where their halos meet the volume's faces: along each axis the
      first tile, the last, and every one between alike (the one after the first stands
      for them). Measured on fake tensors, one tile of each kind runs and counts for all
@@ -74,6 +77,26 @@ class TiledRegion:
     grid: tuple[int, ...]  # the finest grid: tiles are drawn on it
 
     kinds: dict[str, str] = field(default_factory=dict)  # member -> its kind
+    # members made whole in the pass that makes them and read whole after it (NOTE rule
+    # 6), besides the outputs
+    stashes: list[str] = field(default_factory=list)
+
+    @property
+    def made_whole(self) -> list[str]:
+        """The spatial members made whole: outputs read after the region, and stashes."""
+        return [m for m in self.members if self.kinds.get(m) == "local" and
+                (m in self.outputs or m in self.stashes)]
+
+    def stashable(self, values: dict[str, TileValue]) -> list[str]:
+        """The local members a later pass reads (a reduce gathering later, a local made
+        later): made whole once instead of computed again per tile (NOTE rule 6)."""
+        later = set()
+        for m in self.members:
+            for i in values[m].relations:
+                if i in self.made and self.kinds.get(i) == "local" and \
+                        self.made[m] > self.made[i]:
+                    later.add(i)
+        return [m for m in self.members if m in later and m not in self.outputs]
 
     @property
     def passes(self) -> int:
@@ -178,7 +201,7 @@ def needed(region: TiledRegion, values: dict[str, TileValue], step: int, tile: R
             sums = values[v.sums] if v.sums else None
             if sums is not None and sums.size is not None:
                 want[name] = owned_region(tile, region.grid, sums.size)
-        elif v.kind == "local" and name in region.outputs:
+        elif v.kind == "local" and name in region.made_whole:
             assert v.size is not None
             need(name, owned_region(tile, region.grid, v.size))
     for name in reversed(region.members):

@@ -121,7 +121,7 @@ def apply(model: nn.Module, plan: Plan,
         return apply_graph_plan(model, plan.graph_recompute, plan.input_shapes or None,
                                 amp=plan.amp, digest=plan.graph_digest,
                                 twice=plan.graph_twice, backend=plan.graph_backend,
-                                compile_options=compile_options)
+                                compile_options=compile_options, tiling=plan.graph_tiling)
     if compile_options:
         raise PlanError("compile_options are for a graph plan made with compiled=True "
                         "(remat3d compiles its graphs); this module plan runs under your "

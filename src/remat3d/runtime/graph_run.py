@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,14 +79,14 @@ from remat3d.capture.joint import (
 from remat3d.errors import CaptureError, PlanError, Remat3dError, quoted
 from remat3d.instrument.amp import ambient_autocast, amp_dtype, amp_name
 from remat3d.planner.liveness import late_copies
-from remat3d.planspec import GRAPH_BACKENDS
+from remat3d.planspec import GRAPH_BACKENDS, GraphTiling
 from remat3d.runtime.inductor import (
     InductorFailure,
     compiler_for,
     inductor_lowering,
     inductor_settings,
 )
-from remat3d.runtime.tiled_graph import tile_graph
+from remat3d.runtime.tiled_graph import save_norm_statistics, tile_graph
 
 __all__ = ["GraphStep", "apply_graph_plan", "graph_plan_of", "mark_recomputation",
            "measure_applied_graph_plan", "measure_graph_plan", "remove_graph_plan",
@@ -96,12 +96,11 @@ _ATTR = "_remat3d_graph_plan"
 
 
 def tagged_partition(recompute: Iterable[str], digest: str | None = None,
-                     twice: Iterable[str] = (), tile: Sequence[int] | None = None) -> Any:
+                     twice: Iterable[str] = (), tiling: GraphTiling | None = None) -> Any:
     """A partition function recomputing the nodes named ``recompute``, those of ``twice`` a
     second time for their late readers (NOTE rule 1), of a joint graph whose
-    :func:`graph_digest` is ``digest`` (None: not checked); with ``tile``, the ops of
-    both graphs on the finest grid run in tiled regions of tiles of that extent
-    (``runtime/tiled_graph.py``)."""
+    :func:`graph_digest` is ``digest`` (None: not checked); with ``tiling``, the ops of
+    both graphs on its finest grids run in tiled regions (``runtime/tiled_graph.py``)."""
     from torch._functorch.partitioners import default_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -130,9 +129,11 @@ def tagged_partition(recompute: Iterable[str], digest: str | None = None,
         if recompute_without_running_stats(backward):
             _drop_unread_saved(forward, backward, num_fwd_outputs)
         copies = recompute_twice(backward, again) if again else []
-        if tile is not None:
-            tile_graph(forward, tuple(tile))
-            tile_graph(backward, tuple(tile), names | {c.name for c in copies})
+        if tiling is not None:
+            save_norm_statistics(forward, backward, num_fwd_outputs)
+            tile_graph(forward, tiling.tile, levels=tiling.levels, stash=tiling.stash)
+            tile_graph(backward, tiling.tile, names | {c.name for c in copies},
+                       levels=tiling.levels, stash=tiling.stash)
         mark_recomputation(backward, names, copies)
         return forward, backward
 
@@ -260,9 +261,9 @@ class _GraphPlan:
                  input_shapes: list[list[int]] | None, amp: str | None,
                  digest: str | None, twice: Iterable[str], backend: str,
                  settings: dict[str, Any] | None = None,
-                 tile: Sequence[int] | None = None) -> None:
+                 tiling: GraphTiling | None = None) -> None:
         self.recompute = sorted(set(recompute))
-        self.tile = None if tile is None else tuple(tile)
+        self.tiling = tiling
         self.settings = settings or {}  # inductor's config (runtime/inductor.py rule 5)
         self.twice = sorted(set(twice))
         self.amp = amp_dtype(amp)
@@ -276,7 +277,7 @@ class _GraphPlan:
 
     def _step(self) -> Any:
         return aot_step(self.model, tagged_partition(self.recompute, self.digest, self.twice,
-                                                     self.tile),
+                                                     self.tiling),
                         self.amp, compiler_for(self.backend, self.settings))
 
     def _trace_or_run_eagerly(self, args: tuple) -> None:
@@ -373,7 +374,7 @@ def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
                      digest: str | None = None, twice: Iterable[str] = (),
                      backend: str = "eager",
                      compile_options: Mapping[str, Any] | None = None,
-                     tile: Sequence[int] | None = None) -> nn.Module:
+                     tiling: GraphTiling | None = None) -> nn.Module:
     """Run ``model``'s steps as graphs that recompute the nodes ``recompute`` names
     (NOTE rules 1-3), a set closed as ``planner.liveness.closed_recompute`` closes it (what
     the planner gives), for inputs of ``input_shapes`` (None: the first call's), the
@@ -382,8 +383,8 @@ def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
     recomputed a second time for their late readers. ``backend``: the graphs run op by
     op (``"eager"``) or compiled by inductor (``"inductor"``, ``runtime/inductor.py``;
     rule 8), with ``compile_options`` (``mode``, ``options``, as ``torch.compile`` takes
-    them; inductor only: ``runtime/inductor.py`` NOTE rule 5). ``tile``: the finest
-    grid's ops run in tiled regions of that extent (``runtime/tiled_graph.py``).
+    them; inductor only: ``runtime/inductor.py`` NOTE rule 5). ``tiling``: the finest
+    grids' ops run in tiled regions (``runtime/tiled_graph.py``).
     Returns the same model object."""
     if graph_plan_of(model) is not None:
         raise PlanError(f"{type(model).__name__} already runs a graph plan; "
@@ -396,7 +397,7 @@ def apply_graph_plan(model: nn.Module, recompute: Iterable[str],
                         "(made with compiled=True); this plan runs its graphs op by op.")
     settings = inductor_settings(compile_options) if backend == "inductor" else None
     plan = _GraphPlan(model, recompute, input_shapes, amp, digest, twice, backend, settings,
-                      tile)
+                      tiling)
     # compiled by remat3d already, an inductor plan is left out of dynamo's trace of a
     # torch.compile around the model (rule 8)
     model.forward = (plan if backend == "eager"  # type: ignore[method-assign]
@@ -432,8 +433,8 @@ class GraphStep:
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
                        device: str | None = None, amp: str | None = None,
                        twice: Iterable[str] = (), loss_fn: Any = None,
-                       tile: Sequence[int] | None = None) -> GraphStep:
-    """One step of ``model`` running the graph plan (``recompute``, ``twice``, ``tile``) under
+                       tiling: GraphTiling | None = None) -> GraphStep:
+    """One step of ``model`` running the graph plan (``recompute``, ``twice``, ``tiling``) under
     ``amp``, measured by the tracker on fake tensors (NOTE rule 6); ``loss_fn`` (default:
     remat3d's) gets the fake output."""
     from remat3d.instrument.step import default_loss
@@ -442,7 +443,7 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
     loss = loss_fn or default_loss
     fake_model, fake_inputs = fake_step(model, inputs, device)
     targets = _LossTargets(loss, fake_inputs[0])
-    apply_graph_plan(fake_model, recompute, amp=amp, twice=twice, tile=tile)
+    apply_graph_plan(fake_model, recompute, amp=amp, twice=twice, tiling=tiling)
     # traced here, untracked; the graphs enter the fake mode themselves (not entered
     # here: AOTAutograd deep-copies the backward graph on its first run, and a lifted
     # constant, a torch.tensor(2.0) in forward, is a real tensor it cannot copy under it)

@@ -21,6 +21,10 @@ NOTE [ Running tiled regions ]
   4. A region holds plain data only (the ops, their arguments with nodes named), so the
      graph it sits in can be copied. Members the partition recomputes run inside
      ``is_recomputing()``, as the graph's own recomputed ops do.
+  6. A normalisation the backward recomputes reads the statistics its forward saved
+     (``save_norm_statistics``: placeholders after the saved tensors, the forward's
+     outputs after its saved ones, the partition's convention): its output is then
+     pointwise in a tiled region.
   5. On fake tensors (a plan measured) a pass runs one tile: of the kinds of tiles
      (``planner/graph_tiles.py`` NOTE rule 5), the one whose parts hold the most bytes
      (its working set is every tile's largest). Each member's FLOPs per voxel of its
@@ -50,7 +54,7 @@ from remat3d.halo import (
 from remat3d.instrument.tracker import active_tracker
 from remat3d.planner.graph_tiles import TiledRegion, TileValue, needed, regions_of
 
-__all__ = ["tile_graph"]
+__all__ = ["save_norm_statistics", "tile_graph"]
 
 aten = torch.ops.aten
 
@@ -129,6 +133,8 @@ def _value(node: fx.Node, grids: set[tuple[int, ...]], kinds: dict[str, str]) ->
             return _norm_backward(node)
         if target is aten._native_batch_norm_legit.no_stats and not node.args[3]:
             return outside  # in eval mode: pointwise, but not written here yet
+        if _SAVED in node.meta:  # its statistics saved by the forward: nothing to sum
+            return TileValue(node.name, "shell", inputs + list(node.meta[_SAVED]))
         return TileValue(node.name, "reduce", inputs, None, {node.args[0].name: _SAME},
                          node.args[0].name)
     if grid is None or grid not in grids:
@@ -199,7 +205,8 @@ def _pick(node: fx.Node, grids: set[tuple[int, ...]]) -> TileValue | None:
         if index != 0:
             return TileValue(node.name, "pick", [source.name])
         spatial = source.args[:2] if target in _NORM_BACKWARDS else source.args[:1]
-        return TileValue(node.name, "local", [source.name] + [a.name for a in spatial],
+        saved = list(source.meta.get(_SAVED, ()))
+        return TileValue(node.name, "local", [source.name, *saved] + [a.name for a in spatial],
                          grid, {a.name: _SAME for a in spatial})
     return None
 
@@ -323,6 +330,9 @@ class _RegionRun:
         self.recomputed = recomputed
         self.whole: dict[str, torch.Tensor] = {}
         self.small: dict[str, Any] = {}
+        self._last = {i: max(region.made[m] for m in region.members
+                             if i in values[m].relations)
+                      for i in region.stashes}  # the last pass reading each stash
         self.__name__ = f"tiled_region_{region.members[-1]}"
 
     def __call__(self, *inputs: Any) -> tuple:
@@ -345,7 +355,7 @@ class _RegionRun:
 
     def _pass(self, step: int, recomputing: Any) -> None:
         region, values = self.region, self.values
-        made_whole = [o for o in region.outputs if o in self.sizes and region.made[o] == step]
+        made_whole = [o for o in region.made_whole if region.made[o] == step]
         for name in made_whole:
             op = self.ops[name]
             shape = (*self._channels(name), *self.sizes[name])
@@ -374,6 +384,9 @@ class _RegionRun:
                            reduces, sums, recomputing, None)
         for name in reduces:
             self.small[name] = self._finish(name, sums.get(name))
+        for name in region.stashes:  # read by no later pass
+            if name in self.whole and self._last.get(name, 0) <= step:
+                del self.whole[name]
         for name in region.members:
             v = values[name]
             if v.kind == "pick" and v.inputs[0] in self.small and name not in self.small:
@@ -457,6 +470,11 @@ class _RegionRun:
                 x = _wide(part.get(source.args[1].name, want))
                 out = torch.addcmul(torch.addcmul(c, b, x), a, dy)
             else:  # a normalisation's output
+                if source.name not in self.small:  # its statistics saved (NOTE rule 6)
+                    saved = self.values[source.name].inputs[-2:]
+                    self.small[source.name] = self._norm(
+                        source, self.small[saved[0]], self.small[saved[1]],
+                        self._dtypes[source.name])
                 scale, shift = self.small[source.name][3]
                 x = _wide(part.get(source.args[0].name, want))
                 out = torch.addcmul(shift, scale, x.unflatten(1, (scale.shape[1], -1))
@@ -564,13 +582,16 @@ class _RegionRun:
             return (None, None if gw is None else gw.to(dtypes[1]),
                     None if gb is None else gb.to(dtypes[2]))
         if op.target in _NORMS:
-            return self._norm(op, total, dtypes)
+            n, mean, m2 = total
+            return self._norm(op, mean, (m2 / n + float(op.args[-1])).rsqrt(), dtypes)
         return self._norm_backward(op, total, dtypes)
 
-    def _norm(self, op: _Op, total: Any, dtypes: list) -> tuple:
-        n, mean, m2 = total
-        eps = float(op.args[-1])
-        rstd = (m2 / n + eps).rsqrt()
+    def _norm(self, op: _Op, mean: torch.Tensor, rstd: torch.Tensor, dtypes: list) -> tuple:
+        """A normalisation's statistics and the scale and shift of its output."""
+        mean, rstd = mean.double(), rstd.double()
+        if op.target not in _BATCH:  # per (sample, group)
+            mean = mean.reshape(mean.shape[0], mean.shape[1], 1, 1, 1, 1)
+            rstd = rstd.reshape(mean.shape)
         channels = self._shapes[op.args[0].name][1]
         weight = self._affine(op.args[1], channels)
         bias = self._affine(op.args[2], channels) if op.args[2] is not None else \
@@ -654,6 +675,59 @@ def _add(total: Any, partial: Any) -> Any:
     return tuple(None if a is None else a + b for a, b in zip(total, partial))
 
 
+# ----------------------------------------------------------------------------- saved statistics
+
+_SAVED = "remat3d_saved_statistics"  # a recomputed norm's (mean, rstd) placeholders
+
+
+def save_norm_statistics(forward: fx.GraphModule, backward: fx.GraphModule,
+                         num_fwd_outputs: int) -> None:
+    """A normalisation the backward recomputes normalises with the statistics its forward
+    computed (NOTE rule 6): they are saved (two small tensors each), the backward reads
+    them, and a tiled region needs no pass to gather them again."""
+    made = {n.name: n for n in forward.graph.nodes}
+    (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    results = list(output.args[0])
+    saved = [n for n in backward.graph.nodes
+             if n.op == "placeholder" and not n.name.startswith("tangents")]
+    after = saved[-1] if saved else None
+    changed = False
+    for node in list(backward.graph.nodes):
+        if node.op != "call_function" or node.target not in _NORMS or \
+                node.name not in made or _grid(node.args[0]) is None:
+            continue
+        if node.target is aten._native_batch_norm_legit.no_stats and not node.args[3]:
+            continue
+        source = made[node.name]
+        names = []
+        for k in (1, 2):
+            with forward.graph.inserting_after(source):
+                pick = forward.graph.call_function(operator.getitem, (source, k))
+            pick.meta["val"] = source.meta["val"][k]
+            results.append(pick)
+            if after is None:
+                first = next(iter(backward.graph.nodes))
+                with backward.graph.inserting_before(first):
+                    placeholder = backward.graph.placeholder(f"{node.name}_saved_{k}")
+            else:
+                with backward.graph.inserting_after(after):
+                    placeholder = backward.graph.placeholder(f"{node.name}_saved_{k}")
+            placeholder.meta["val"] = source.meta["val"][k]
+            after = placeholder
+            for user in list(node.users):
+                if user.target is operator.getitem and user.args[1] == k:
+                    user.replace_all_uses_with(placeholder)
+                    backward.graph.erase_node(user)
+            names.append(placeholder.name)
+        node.meta[_SAVED] = tuple(names)
+        changed = True
+    if changed:
+        output.args = (tuple(results),)
+        for module in (forward, backward):
+            module.graph.lint()
+            module.recompile()
+
+
 # ----------------------------------------------------------------------------- the rewrite
 
 def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
@@ -666,20 +740,25 @@ def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
     return values
 
 
-def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...],
-               recomputed: Iterable[str] = ()) -> list[TiledRegion]:
-    """Replace the ops of ``gm`` on its finest grid by tiled regions run in tiles of
-    ``tile`` (NOTE rule 1); returns the regions."""
-    grids = [g for g in (_grid(n) for n in gm.graph.nodes) if g is not None]
+def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[str] = (),
+               levels: int = 1, stash: bool = False) -> list[TiledRegion]:
+    """Replace the ops of ``gm`` on its ``levels`` finest grids by tiled regions run in
+    tiles of ``tile`` on the finest (NOTE rule 1), each stashing what a later pass reads
+    when ``stash`` (``planner/graph_tiles.py`` NOTE rule 6); returns the regions."""
+    grids = sorted({g for g in (_grid(n) for n in gm.graph.nodes) if g is not None},
+                   key=lambda s: -s[0] * s[1] * s[2])
     if not grids:
         return []
-    finest = max(grids, key=lambda s: s[0] * s[1] * s[2])
-    values = _values(gm, {finest})
+    values = _values(gm, set(grids[:levels]))
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     returned = [a.name for a in output.all_input_nodes]
     regions = regions_of(values, returned)
     if not regions:
         return []
+    by_name = {v.name: v for v in values}
+    if stash:
+        for region in regions:
+            region.stashes = region.stashable(by_name)
     nodes = {n.name: n for n in gm.graph.nodes}
     by_name = {v.name: v for v in values}
     owner = {m: k for k, r in enumerate(regions) for m in r.members}
