@@ -41,11 +41,13 @@ DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may s
 class GraphTiling:
     """How a graph plan tiles (``runtime/tiled_graph.py``): the ops of its ``levels``
     finest grids run in tiled regions of tiles ``tile`` (on the finest grid), each region
-    stashing what a later pass reads when ``stash`` (``planner/graph_tiles.py``)."""
+    stashing what a later pass reads when ``stash``, and computing again what an earlier
+    region made instead of reading it whole when ``copy`` (``planner/graph_tiles.py``)."""
 
     tile: tuple[int, int, int]
     levels: int = 1
     stash: bool = False
+    copy: bool = False  # later regions compute again what earlier ones made (rule 7)
 
     def __post_init__(self) -> None:
         tile = tuple(int(t) for t in self.tile)

@@ -52,9 +52,10 @@ def _grads(model, x, dtype, tile=None, recompute=()):
                           else p.grad.double() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("levels,stash", [(1, False), (2, True)])
+@pytest.mark.parametrize("levels,stash,copy", [(1, False, False), (2, True, False),
+                                               (2, False, True)])
 @pytest.mark.parametrize("net", NETS)
-def test_tiled_step_is_the_untiled_step_up_to_rounding(net, levels, stash):
+def test_tiled_step_is_the_untiled_step_up_to_rounding(net, levels, stash, copy):
     factory, size = NETS[net]
     torch.manual_seed(0)
     model = factory()
@@ -63,7 +64,7 @@ def test_tiled_step_is_the_untiled_step_up_to_rounding(net, levels, stash):
     # every forward op recomputed: the backward's full-resolution work all tiled
     recompute = sorted(closed_recompute(graph, [n.name for n in graph.nodes
                                                 if n.phase == "forward"]))
-    tile = GraphTiling((size // 4, size // 2, size // 4), levels, stash)
+    tile = GraphTiling((size // 4, size // 2, size // 4), levels, stash, copy)
     out64, ref64 = _grads(model, x, torch.float64)
     out_t64, tiled64 = _grads(model, x, torch.float64, tile, recompute)
     assert torch.allclose(out_t64, out64, rtol=1e-10, atol=1e-12)

@@ -33,6 +33,10 @@ NOTE [ Tiled regions of a graph ]
   6. A member a later pass reads is computed again per tile there, with its halo, unless
      it is *stashed*: made whole (tile by tile, over owned parts) in the pass that makes
      it and read whole after. A stash trades its bytes for the work of recomputing it.
+  7. A member a later region reads is made whole by its own region, unless it is
+     *copied*: the later region computes it again tile by tile from what the earlier one
+     read (its chain of local members back to the earlier region's inputs and reduces,
+     whose small results it reads), trading its bytes for the work.
   5. Tiles differ only where their halos meet the volume's faces: along each axis the
      first tile, the last, and every one between alike (the one after the first stands
      for them). Measured on fake tensors, one tile of each kind runs and counts for all
@@ -63,6 +67,7 @@ class TileValue:
     # padding, dilation) from this value's region (a reduce: its ``sums``'s owned region)
     relations: dict[str, SpatialOp] = field(default_factory=dict)
     sums: str | None = None  # a reduce: the spatial input it sums over
+    joins: str | None = None  # a copy made for a later region: the member it is made for
 
 
 @dataclass
@@ -133,6 +138,9 @@ def _convex_groups(values: list[TileValue], members: set[str]) -> dict[str, int]
         else:
             depends[v.name] = max([0] + [group[i] if i in members else depends.get(i, 0)
                                          for i in v.inputs])
+    for v in values:  # a copy runs in the region of the member it is made for (rule 7)
+        if v.joins is not None and v.name in group:
+            group[v.name] = group[v.joins]
     return group
 
 

@@ -131,9 +131,10 @@ def tagged_partition(recompute: Iterable[str], digest: str | None = None,
         copies = recompute_twice(backward, again) if again else []
         if tiling is not None:
             save_norm_statistics(forward, backward, num_fwd_outputs)
-            tile_graph(forward, tiling.tile, levels=tiling.levels, stash=tiling.stash)
+            tile_graph(forward, tiling.tile, levels=tiling.levels, stash=tiling.stash,
+                       copy=tiling.copy)
             tile_graph(backward, tiling.tile, names | {c.name for c in copies},
-                       levels=tiling.levels, stash=tiling.stash)
+                       levels=tiling.levels, stash=tiling.stash, copy=tiling.copy)
         mark_recomputation(backward, names, copies)
         return forward, backward
 

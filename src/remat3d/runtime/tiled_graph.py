@@ -113,6 +113,12 @@ _SAME = SpatialOp(POINTWISE, (0,), 1)
 def _value(node: fx.Node, grids: set[tuple[int, ...]], kinds: dict[str, str]) -> TileValue:
     """``node`` as tiling sees it (NOTE rule 1 of ``planner/graph_tiles.py``); ``kinds``:
     those of the nodes before it (a pick is a member only if its op is)."""
+    value = _classify(node, grids, kinds)
+    value.joins = node.meta.get(_JOINS)
+    return value
+
+
+def _classify(node: fx.Node, grids: set[tuple[int, ...]], kinds: dict[str, str]) -> TileValue:
     inputs = [a.name for a in node.all_input_nodes]
     outside = TileValue(node.name, "outside", inputs, _grid(node))
     if node.op != "call_function":
@@ -135,6 +141,8 @@ def _value(node: fx.Node, grids: set[tuple[int, ...]], kinds: dict[str, str]) ->
             return outside  # in eval mode: pointwise, but not written here yet
         if _SAVED in node.meta:  # its statistics saved by the forward: nothing to sum
             return TileValue(node.name, "shell", inputs + list(node.meta[_SAVED]))
+        if _STATS_OF in node.meta:  # a copy: the statistics its original gathered
+            return TileValue(node.name, "shell", [*inputs, node.meta[_STATS_OF]])
         return TileValue(node.name, "reduce", inputs, None, {node.args[0].name: _SAME},
                          node.args[0].name)
     if grid is None or grid not in grids:
@@ -205,7 +213,8 @@ def _pick(node: fx.Node, grids: set[tuple[int, ...]]) -> TileValue | None:
         if index != 0:
             return TileValue(node.name, "pick", [source.name])
         spatial = source.args[:2] if target in _NORM_BACKWARDS else source.args[:1]
-        saved = list(source.meta.get(_SAVED, ()))
+        saved = list(source.meta.get(_SAVED, ())) + \
+            ([source.meta[_STATS_OF]] if _STATS_OF in source.meta else [])
         return TileValue(node.name, "local", [source.name, *saved] + [a.name for a in spatial],
                          grid, {a.name: _SAME for a in spatial})
     return None
@@ -470,6 +479,11 @@ class _RegionRun:
                 x = _wide(part.get(source.args[1].name, want))
                 out = torch.addcmul(torch.addcmul(c, b, x), a, dy)
             else:  # a normalisation's output
+                stats_of = self.values[source.name].inputs[-1] \
+                    if self.values[source.name].kind == "shell" else None
+                if stats_of in self.small and not isinstance(self.small[stats_of],
+                                                             torch.Tensor):
+                    self.small[source.name] = self.small[stats_of]  # a copy's (rule 7)
                 if source.name not in self.small:  # its statistics saved (NOTE rule 6)
                     saved = self.values[source.name].inputs[-2:]
                     self.small[source.name] = self._norm(
@@ -728,6 +742,82 @@ def save_norm_statistics(forward: fx.GraphModule, backward: fx.GraphModule,
             module.recompile()
 
 
+# ----------------------------------------------------------------------------- copies
+
+_JOINS = "remat3d_joins"  # a copy's meta: the member whose region it runs in
+_STATS_OF = "remat3d_statistics_of"  # a copied normalisation: whose statistics it uses
+_FREE = {aten.detach.default, aten.alias.default}
+
+
+def _copy_across(gm: fx.GraphModule, regions: list[TiledRegion], values: list[TileValue],
+                 recomputed: set[str], forward: bool) -> bool:
+    """Give each later region that reads spatial outputs of an earlier one its own copy of
+    their chains of local members (``planner/graph_tiles.py`` NOTE rule 7), where nothing
+    outside the regions reads them whole. Forward values only (in a backward graph, the
+    recomputed ones: a gradient is never computed twice); the copies of recomputed ops are
+    recomputations too. Whether anything was copied."""
+    by_name = {v.name: v for v in values}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n.name: k for k, n in enumerate(gm.graph.nodes)}
+    region_of = {m: k for k, r in enumerate(regions) for m in r.members}
+
+    def copyable(name: str) -> bool:
+        if by_name[name].kind not in ("local", "shell"):
+            return False
+        node = nodes[name]
+        if forward or name in recomputed:
+            return True
+        # a view or detach of a recomputed value (the partition's own) is one too
+        return node.target in _VIEWS | _FREE and copyable(node.args[0].name)
+
+    changed = False
+    for region in regions:
+        inside = set(region.members)
+        wanted: dict[int, list[str]] = {}  # a later region -> the outputs it copies
+        for name in region.outputs:
+            users = [u for u in nodes[name].users if u.name not in inside]
+            if by_name[name].kind != "local" or not copyable(name) or not users or \
+                    any(u.name not in region_of for u in users):
+                continue  # read whole outside every region (or returned)
+            for later in {region_of[u.name] for u in users}:
+                wanted.setdefault(later, []).append(name)
+        for later, names in sorted(wanted.items()):
+            chain, stack = set(), list(names)
+            while stack:
+                at = stack.pop()
+                if at not in chain:
+                    chain.add(at)
+                    stack += [i for i in by_name[at].inputs if i in inside and copyable(i)]
+            readers = sorted({u for n in names for u in nodes[n].users
+                              if region_of.get(u.name) == later}, key=lambda u: order[u.name])
+            env: dict[str, fx.Node] = {}
+            with gm.graph.inserting_before(readers[0]):
+                for at in sorted(chain, key=order.__getitem__):
+                    source = nodes[at].args[0] if nodes[at].target is operator.getitem \
+                        else None
+                    if source is not None and by_name[source.name].kind == "reduce":
+                        # a normalisation's output: its op copied to read the copied input,
+                        # its statistics the earlier region's
+                        op = gm.graph.node_copy(source, lambda a: env.get(a.name, a))
+                        op.meta[_STATS_OF] = source.name
+                        op.meta[_JOINS] = readers[0].name
+                        env[source.name] = op
+                    made = gm.graph.node_copy(nodes[at], lambda a: env.get(a.name, a))
+                    made.meta[_JOINS] = readers[0].name
+                    if at in recomputed:
+                        recomputed.add(made.name)
+                    env[at] = made
+                    env.pop(source.name, None) if source is not None else None
+            for reader in readers:
+                for n in names:
+                    reader.replace_input_with(nodes[n], env[n])
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
 # ----------------------------------------------------------------------------- the rewrite
 
 def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
@@ -741,18 +831,25 @@ def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
 
 
 def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[str] = (),
-               levels: int = 1, stash: bool = False) -> list[TiledRegion]:
+               levels: int = 1, stash: bool = False, copy: bool = False
+               ) -> list[TiledRegion]:
     """Replace the ops of ``gm`` on its ``levels`` finest grids by tiled regions run in
     tiles of ``tile`` on the finest (NOTE rule 1), each stashing what a later pass reads
-    when ``stash`` (``planner/graph_tiles.py`` NOTE rule 6); returns the regions."""
+    when ``stash`` (``planner/graph_tiles.py`` NOTE rule 6) and computing again what an
+    earlier region made when ``copy`` (rule 7); returns the regions."""
     grids = sorted({g for g in (_grid(n) for n in gm.graph.nodes) if g is not None},
                    key=lambda s: -s[0] * s[1] * s[2])
     if not grids:
         return []
-    values = _values(gm, set(grids[:levels]))
+    recomputed = set(recomputed)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     returned = [a.name for a in output.all_input_nodes]
-    regions = regions_of(values, returned)
+    forward = not recomputed  # a forward graph: every value is a forward value
+    while True:  # each round copies into later regions only: it ends
+        values = _values(gm, set(grids[:levels]))
+        regions = regions_of(values, returned)
+        if not copy or not _copy_across(gm, regions, values, recomputed, forward):
+            break
     if not regions:
         return []
     by_name = {v.name: v for v in values}
@@ -770,6 +867,9 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
         spatial = {m for m in region.members if by_name[m].size is not None} | \
             {i for m in region.members for i in by_name[m].relations}
         ops = {m: _plain(nodes[m]) for m in region.members}
+        for m in region.members:  # a pick's op, made by an earlier region (a copy's)
+            if nodes[m].target is operator.getitem and nodes[m].args[0].name not in ops:
+                ops[nodes[m].args[0].name] = _plain(nodes[m].args[0])
         sizes = {n: _grid(nodes[n]) for n in spatial}
         run = _RegionRun(region, by_name, ops, sizes, tile, set(recomputed))
         run._shapes = {n: tuple(_first(_val(nodes[n])).shape) for n in names
