@@ -52,7 +52,7 @@ import logging
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,17 +79,17 @@ from remat3d.instrument.tracker import LimitExceeded, shared_repeats, stop_above
 from remat3d.measurement import measure
 from remat3d.opgraph import OpGraph
 from remat3d.planner.graph_search import search_graph
-from remat3d.planner.liveness import convolution_floor, recompute_floor
+from remat3d.planner.liveness import closed_recompute, convolution_floor, recompute_floor
 from remat3d.planner.measured import Limits, Measured
 from remat3d.planner.optimal import Costs
 from remat3d.planner.registry import STRATEGIES, PlannerOptions
 from remat3d.planner.searching import Problem, search, smallest_feasible_phrase
 from remat3d.planner.stages import StageModel, build_stages
-from remat3d.planspec import OBJECTIVES, Plan
+from remat3d.planspec import OBJECTIVES, GraphTiling, Plan
 from remat3d.profiling import Profile, profile
 from remat3d.runtime.apply import apply
 from remat3d.runtime.fingerprint import model_fingerprint, model_signature
-from remat3d.runtime.graph_run import measure_graph_plan
+from remat3d.runtime.graph_run import GraphStep, measure_graph_plan
 from remat3d.runtime.region import InPlaceInputError, op_by_op_checks
 from remat3d.runtime.spans import spanned_copy, spans_for
 from remat3d.units import format_bytes, format_shape, parse_bytes
@@ -342,7 +342,7 @@ def plan(
                 logger.info("searching graph plans (%d ops)", len(captured.graph.nodes))
                 chosen = _graph_plan(model, examples, header, captured, prof.peak_bytes,
                                      step_flops, strategy="graph" if explicit else strategy,
-                                     loss_fn=loss_fn)
+                                     loss_fn=loss_fn, tile=tile and explicit)
         except CaptureError as exc:  # one clear message, and the module plan instead
             fallback = f"{exc} Planned its modules instead (a module plan)."
             if explicit:
@@ -515,12 +515,14 @@ def _recomputed_modules(graph: OpGraph, recompute: list[str]) -> dict[str, str]:
 
 def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
                 captured: Captured, unplanned_peak: int, step_flops: int,
-                strategy: str, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
+                strategy: str, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                tile: bool = False) -> Plan:
     """A graph plan (``graph=True``): the step captured as one aten graph, the search on
     its exact liveness (``planner/graph_search.py``), the choice measured under the
     tracker on fake tensors with ``loss_fn`` (default: remat3d's); a measured peak above
     the budget tightens the search's target by the excess (the loss outside the graph,
-    and its targets, are not in the model), at most ``_ROUNDS`` times."""
+    and its targets, are not in the model), at most ``_ROUNDS`` times. Where none fits
+    and ``tile``: a tiled graph plan (``_tiled_graph_plan``)."""
     graph = captured.graph
     budget = header.budget_bytes
     assert budget is not None
@@ -550,6 +552,12 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
         if not choice.fits:
             break
         target -= measured - budget
+    if tile:
+        tiled, lowest = _tiled_graph_plan(model, examples, header, captured, step_flops,
+                                          strategy, loss_fn)
+        if tiled is not None:
+            return tiled
+        smallest = min(smallest or lowest, lowest)
     shapes = " ".join(format_shape(s) for s in header.input_shapes)
     raise InfeasibleBudgetError(
         f"Budget {format_bytes(budget)} is infeasible for a graph plan of {header.model} "
@@ -557,6 +565,75 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
         f"({smallest} bytes); the unplanned peak is {format_bytes(unplanned_peak)}. A "
         "module plan with offload (graph=False, offload=True) or tiling may go lower.",
         smallest_feasible_bytes=smallest or 0, unplanned_peak_bytes=unplanned_peak)
+
+
+# NOTE [ Tiled graph plans ]
+#   1. Where no recompute set fits, a graph plan may tile (``runtime/tiled_graph.py``):
+#      every forward op is recomputed in backward, and the finest grids' ops run in tiled
+#      regions. How is a ``GraphTiling`` (grids, stashes, copies, tile); the candidates
+#      are tried cheapest first (stashes save passes' work and cost bytes; copies and a
+#      second grid cost work and save bytes), each at a quarter and an eighth of the
+#      finest grid, each measured under the tracker (one tile a pass, NOTE rule 5 of
+#      ``runtime/tiled_graph.py``); the first that fits is kept, or its tile of half the
+#      grid where that fits too and costs fewer FLOPs.
+#   2. The smallest peak measured is the infeasible budget's smallest feasible one.
+_TILING_MODES = ((1, True, False), (2, True, True), (1, False, False), (1, False, True),
+                 (2, False, True))  # (levels, stash, copy), cheapest first
+
+
+def _tiles(grid: Sequence[int], levels: int, parts: int) -> tuple[int, int, int]:
+    """A tile of about ``1/parts`` of each axis of ``grid``, lined up with ``levels``
+    grids and no smaller than 8 voxels."""
+    step = 2 ** (levels - 1)
+    return tuple(max(8, -(-max(n // parts, 1) // step) * step) for n in grid)  # type: ignore
+
+
+def _tiled_graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
+                      captured: Captured, step_flops: int, strategy: str,
+                      loss_fn: Callable[[Any], torch.Tensor] | None
+                      ) -> tuple[Plan | None, int]:
+    """The cheapest tiled graph plan that fits (NOTE [ Tiled graph plans ]), or None, and
+    the smallest peak measured."""
+    graph = captured.graph
+    budget = header.budget_bytes
+    assert budget is not None
+    recompute = sorted(closed_recompute(graph, [n.name for n in graph.forward]))
+    grid = tuple(header.input_shapes[0][2:])
+    smallest: int | None = None
+
+    def measure(tiling: GraphTiling) -> GraphStep:
+        nonlocal smallest
+        logger.info("measuring a tiled graph plan: %s", tiling)
+        step = measure_graph_plan(model, tuple(examples), recompute, amp=header.amp,
+                                  loss_fn=loss_fn, tiling=tiling)
+        smallest = step.peak_bytes if smallest is None else min(smallest, step.peak_bytes)
+        return step
+
+    for levels, stash, copy_ in _TILING_MODES:
+        for parts in (4, 8):
+            tiling = GraphTiling(_tiles(grid, levels, parts), levels, stash, copy_)
+            step = measure(tiling)
+            if step.peak_bytes > budget:
+                continue
+            larger = GraphTiling(_tiles(grid, levels, 2), levels, stash, copy_)
+            if parts == 4 and larger.tile != tiling.tile:
+                other = measure(larger)
+                if other.peak_bytes <= budget and \
+                        sum(other.flops.values()) < sum(step.flops.values()):
+                    tiling, step = larger, other
+            flops = sum(step.flops.values())
+            return dataclasses.replace(
+                header, strategy=strategy, graph_recompute=recompute, graph_tiling=tiling,
+                graph_digest=captured.digest,
+                graph_modules=_recomputed_modules(graph, recompute),
+                verified_peak_bytes=step.peak_bytes,
+                recompute_flops=step.flops.get("recompute", 0),
+                extra_flops=flops - step_flops, step_flops=step_flops,
+                notes=[f"tiled graph plan: every forward op recomputed in backward, the "
+                       f"{levels} finest grid(s) in tiles of {format_shape(tiling.tile)}"
+                       f"{', stashes' if stash else ''}{', copies' if copy_ else ''}"]), \
+                step.peak_bytes
+    return None, smallest or 0
 
 
 def _torch_side(model: nn.Module, examples: list[torch.Tensor], amp: str | None,

@@ -798,11 +798,11 @@ def _copy_across(gm: fx.GraphModule, regions: list[TiledRegion], values: list[Ti
                     if source is not None and by_name[source.name].kind == "reduce":
                         # a normalisation's output: its op copied to read the copied input,
                         # its statistics the earlier region's
-                        op = gm.graph.node_copy(source, lambda a: env.get(a.name, a))
+                        op = gm.graph.node_copy(source, lambda a, e=env: e.get(a.name, a))
                         op.meta[_STATS_OF] = source.name
                         op.meta[_JOINS] = readers[0].name
                         env[source.name] = op
-                    made = gm.graph.node_copy(nodes[at], lambda a: env.get(a.name, a))
+                    made = gm.graph.node_copy(nodes[at], lambda a, e=env: e.get(a.name, a))
                     made.meta[_JOINS] = readers[0].name
                     if at in recomputed:
                         recomputed.add(made.name)
