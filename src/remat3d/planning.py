@@ -577,8 +577,8 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
 #      ``runtime/tiled_graph.py``); the first that fits is kept, or its tile of half the
 #      grid where that fits too and costs fewer FLOPs.
 #   2. The smallest peak measured is the infeasible budget's smallest feasible one.
-_TILING_MODES = ((1, True, False), (2, True, True), (1, False, False), (1, False, True),
-                 (2, False, True))  # (levels, stash, copy), cheapest first
+_TILING_MODES = ((1, "all", False), (2, "all", True), (1, "sums", True), (2, "sums", True),
+                 (1, "none", True), (2, "none", True))  # (levels, stash, copy), cheapest first
 
 
 def _tiles(grid: Sequence[int], levels: int, parts: int) -> tuple[int, int, int]:
@@ -622,6 +622,9 @@ def _tiled_graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Pl
                         sum(other.flops.values()) < sum(step.flops.values()):
                     tiling, step = larger, other
             flops = sum(step.flops.values())
+            note = (f"tiled graph plan: every forward op recomputed in backward, the "
+                    f"{levels} finest grid(s) in tiles of {format_shape(tiling.tile)}, "
+                    f"stashing {stash}{', copies across regions' if copy_ else ''}")
             return dataclasses.replace(
                 header, strategy=strategy, graph_recompute=recompute, graph_tiling=tiling,
                 graph_digest=captured.digest,
@@ -629,10 +632,7 @@ def _tiled_graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Pl
                 verified_peak_bytes=step.peak_bytes,
                 recompute_flops=step.flops.get("recompute", 0),
                 extra_flops=flops - step_flops, step_flops=step_flops,
-                notes=[f"tiled graph plan: every forward op recomputed in backward, the "
-                       f"{levels} finest grid(s) in tiles of {format_shape(tiling.tile)}"
-                       f"{', stashes' if stash else ''}{', copies' if copy_ else ''}"]), \
-                step.peak_bytes
+                notes=[note]), step.peak_bytes
     return None, smallest or 0
 
 

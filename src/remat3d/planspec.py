@@ -35,21 +35,27 @@ GRAPH_BACKENDS = ("eager", "inductor")
 # what a plan minimises (planner/optimal.py Costs.objective)
 OBJECTIVES = ("time", "flops")
 DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may say
+STASHES = ("none", "sums", "all")  # what a graph plan's tiled regions stash (GraphTiling)
 
 
 @dataclass(frozen=True)
 class GraphTiling:
     """How a graph plan tiles (``runtime/tiled_graph.py``): the ops of its ``levels``
     finest grids run in tiled regions of tiles ``tile`` (on the finest grid), each region
-    stashing what a later pass reads when ``stash``, and computing again what an earlier
-    region made instead of reading it whole when ``copy`` (``planner/graph_tiles.py``)."""
+    stashing (``planner/graph_tiles.py`` NOTE rule 6) what ``stash`` says of what a later
+    pass reads: ``"none"``, ``"sums"`` (what a reduce sums: a normalisation's input, the
+    gradient its backward sums) or ``"all"``, and computing again what an earlier region
+    made instead of reading it whole when ``copy`` (rule 7)."""
 
     tile: tuple[int, int, int]
     levels: int = 1
-    stash: bool = False
+    stash: str = "none"  # one of STASHES
     copy: bool = False  # later regions compute again what earlier ones made (rule 7)
 
     def __post_init__(self) -> None:
+        if self.stash not in STASHES:
+            raise PlanError(f"graph_tiling.stash is {self.stash!r}; one of "
+                            f"{', '.join(map(repr, STASHES))}.")
         tile = tuple(int(t) for t in self.tile)
         object.__setattr__(self, "tile", tile)
         if len(tile) != 3 or min(tile) < 1:
@@ -384,7 +390,8 @@ class Plan:
                 t = self.graph_tiling
                 grids = "finest grid" if t.levels == 1 else f"{t.levels} finest grids"
                 lines.append(f"  tiled: the {grids} in tiles of {format_shape(t.tile)}"
-                             f"{', stashing what later passes read' if t.stash else ''}")
+                             f"{'' if t.stash == 'none' else f', stashing {t.stash}'}"
+                             f"{', copies across regions' if t.copy else ''}")
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
             objective = "" if self.objective == "time" else f" objective={self.objective}"

@@ -92,15 +92,18 @@ class TiledRegion:
         return [m for m in self.members if self.kinds.get(m) == "local" and
                 (m in self.outputs or m in self.stashes)]
 
-    def stashable(self, values: dict[str, TileValue]) -> list[str]:
+    def stashable(self, values: dict[str, TileValue], which: str = "all") -> list[str]:
         """The local members a later pass reads (a reduce gathering later, a local made
-        later): made whole once instead of computed again per tile (NOTE rule 6)."""
+        later), which may be made whole once instead of computed again per tile (NOTE
+        rule 6): ``"all"`` of them, or only the ``"sums"`` of this region's reduces."""
         later = set()
         for m in self.members:
             for i in values[m].relations:
                 if i in self.made and self.kinds.get(i) == "local" and \
                         self.made[m] > self.made[i]:
                     later.add(i)
+        if which == "sums":
+            later &= {values[m].sums for m in self.members if values[m].kind == "reduce"}
         return [m for m in self.members if m in later and m not in self.outputs]
 
     @property

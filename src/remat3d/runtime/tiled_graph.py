@@ -831,11 +831,11 @@ def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
 
 
 def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[str] = (),
-               levels: int = 1, stash: bool = False, copy: bool = False
+               levels: int = 1, stash: str = "none", copy: bool = False
                ) -> list[TiledRegion]:
     """Replace the ops of ``gm`` on its ``levels`` finest grids by tiled regions run in
-    tiles of ``tile`` on the finest (NOTE rule 1), each stashing what a later pass reads
-    when ``stash`` (``planner/graph_tiles.py`` NOTE rule 6) and computing again what an
+    tiles of ``tile`` on the finest (NOTE rule 1), each stashing what ``stash`` says of
+    what a later pass reads (``planner/graph_tiles.py`` NOTE rule 6), computing again what an
     earlier region made when ``copy`` (rule 7); returns the regions."""
     grids = sorted({g for g in (_grid(n) for n in gm.graph.nodes) if g is not None},
                    key=lambda s: -s[0] * s[1] * s[2])
@@ -853,9 +853,9 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
     if not regions:
         return []
     by_name = {v.name: v for v in values}
-    if stash:
+    if stash != "none":
         for region in regions:
-            region.stashes = region.stashable(by_name)
+            region.stashes = region.stashable(by_name, stash)
     nodes = {n.name: n for n in gm.graph.nodes}
     by_name = {v.name: v for v in values}
     owner = {m: k for k, r in enumerate(regions) for m in r.members}
