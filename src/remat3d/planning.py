@@ -570,15 +570,19 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
 # NOTE [ Tiled graph plans ]
 #   1. Where no recompute set fits, a graph plan may tile (``runtime/tiled_graph.py``):
 #      every forward op is recomputed in backward, and the finest grids' ops run in tiled
-#      regions. How is a ``GraphTiling`` (grids, stashes, copies, tile); the candidates
-#      are tried cheapest first (stashes save passes' work and cost bytes; copies and a
-#      second grid cost work and save bytes), each at a quarter and an eighth of the
-#      finest grid, each measured under the tracker (one tile a pass, NOTE rule 5 of
-#      ``runtime/tiled_graph.py``); the first that fits is kept, or its tile of half the
-#      grid where that fits too and costs fewer FLOPs.
-#   2. The smallest peak measured is the infeasible budget's smallest feasible one.
-_TILING_MODES = ((1, "all", False), (2, "all", True), (1, "sums", True), (2, "sums", True),
-                 (1, "none", True), (2, "none", True))  # (levels, stash, copy), cheapest first
+#      regions. The tiling's layout (how many grids, copies across regions, the tile) is
+#      tried from a short list, cheapest first: one grid without copies, then with, then
+#      two grids with copies (each saves bytes and costs work), each at a quarter and an
+#      eighth of the finest grid.
+#   2. For a layout, the regions' stash policies are chosen per region: the step is
+#      measured with no stashes and with every stash policy, the tracker booking each
+#      region's peak and FLOPs under its label; a region runs at one time, so its own
+#      peak under a policy does not depend on the others' policies, and each region takes
+#      the policy of fewest FLOPs whose peak there fits. The mixture is measured again:
+#      the promise is that measurement.
+#   3. The smallest peak measured is the infeasible budget's smallest feasible one.
+_LAYOUTS = ((1, False), (1, True), (2, True))  # (levels, copy), cheapest first
+_POLICIES = ("inputs", "sums")  # stash policies tried against "none", cheapest first
 
 
 def _tiles(grid: Sequence[int], levels: int, parts: int) -> tuple[int, int, int]:
@@ -592,8 +596,8 @@ def _tiled_graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Pl
                       captured: Captured, step_flops: int, strategy: str,
                       loss_fn: Callable[[Any], torch.Tensor] | None
                       ) -> tuple[Plan | None, int]:
-    """The cheapest tiled graph plan that fits (NOTE [ Tiled graph plans ]), or None, and
-    the smallest peak measured."""
+    """The first tiled graph plan that fits (NOTE [ Tiled graph plans ]), or None, and the
+    smallest peak measured."""
     graph = captured.graph
     budget = header.budget_bytes
     assert budget is not None
@@ -609,24 +613,34 @@ def _tiled_graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Pl
         smallest = step.peak_bytes if smallest is None else min(smallest, step.peak_bytes)
         return step
 
-    for levels, stash, copy_ in _TILING_MODES:
+    for levels, copy_ in _LAYOUTS:
         for parts in (4, 8):
-            tiling = GraphTiling(_tiles(grid, levels, parts), levels, stash, copy_)
-            step = measure(tiling)
-            if step.peak_bytes > budget:
+            tiling = GraphTiling(_tiles(grid, levels, parts), levels, "none", copy_)
+            plain = measure(tiling)
+            if plain.peak_bytes > budget:
                 continue
-            larger = GraphTiling(_tiles(grid, levels, 2), levels, stash, copy_)
-            if parts == 4 and larger.tile != tiling.tile:
-                other = measure(larger)
-                if other.peak_bytes <= budget and \
-                        sum(other.flops.values()) < sum(step.flops.values()):
-                    tiling, step = larger, other
+            chosen: dict[str, str] = {}
+            for policy in _POLICIES:  # NOTE rule 2
+                step = measure(dataclasses.replace(tiling, stash=policy))
+                for label, (peak, flops) in step.regions.items():
+                    if label not in chosen and peak <= budget and \
+                            flops < plain.regions.get(label, (0, flops))[1]:
+                        chosen[label] = policy
+            best, step = tiling, plain
+            if chosen:
+                mixed = dataclasses.replace(tiling, stashes=tuple(chosen.items()))
+                measured = measure(mixed)
+                if measured.peak_bytes <= budget:
+                    best, step = mixed, measured
             flops = sum(step.flops.values())
+            stashed = sorted(set(dict(best.stashes).values())) or ["none"]
             note = (f"tiled graph plan: every forward op recomputed in backward, the "
-                    f"{levels} finest grid(s) in tiles of {format_shape(tiling.tile)}, "
-                    f"stashing {stash}{', copies across regions' if copy_ else ''}")
+                    f"{levels} finest grid(s) in tiles of {format_shape(best.tile)}"
+                    f"{', copies across regions' if copy_ else ''}, stashing "
+                    f"{' or '.join(stashed)} in {len(best.stashes)} of "
+                    f"{len(step.regions)} regions")
             return dataclasses.replace(
-                header, strategy=strategy, graph_recompute=recompute, graph_tiling=tiling,
+                header, strategy=strategy, graph_recompute=recompute, graph_tiling=best,
                 graph_digest=captured.digest,
                 graph_modules=_recomputed_modules(graph, recompute),
                 verified_peak_bytes=step.peak_bytes,

@@ -35,7 +35,7 @@ GRAPH_BACKENDS = ("eager", "inductor")
 # what a plan minimises (planner/optimal.py Costs.objective)
 OBJECTIVES = ("time", "flops")
 DECISIONS = tuple(d.value for d in PLAN_DECISIONS)  # what Region.decision may say
-STASHES = ("none", "sums", "all")  # what a graph plan's tiled regions stash (GraphTiling)
+STASHES = ("none", "sums", "inputs", "all")  # what a graph plan's tiled regions stash (GraphTiling)
 
 
 @dataclass(frozen=True)
@@ -44,18 +44,26 @@ class GraphTiling:
     finest grids run in tiled regions of tiles ``tile`` (on the finest grid), each region
     stashing (``planner/graph_tiles.py`` NOTE rule 6) what ``stash`` says of what a later
     pass reads: ``"none"``, ``"sums"`` (what a reduce sums: a normalisation's input, the
-    gradient its backward sums) or ``"all"``, and computing again what an earlier region
-    made instead of reading it whole when ``copy`` (rule 7)."""
+    gradient its backward sums), ``"inputs"`` (every spatial input of a reduce) or
+    ``"all"``, per region where ``stashes`` names it; and computing again what an earlier
+    region made instead of reading it whole when ``copy`` (rule 7)."""
 
     tile: tuple[int, int, int]
     levels: int = 1
     stash: str = "none"  # one of STASHES
     copy: bool = False  # later regions compute again what earlier ones made (rule 7)
+    # per region (its label: "forward:<node>" / "backward:<node>", the node its last
+    # member), a stash other than ``stash``
+    stashes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.stash not in STASHES:
-            raise PlanError(f"graph_tiling.stash is {self.stash!r}; one of "
-                            f"{', '.join(map(repr, STASHES))}.")
+        object.__setattr__(self, "stashes", tuple(sorted(
+            (str(k), str(v)) for k, v in (self.stashes.items() if isinstance(self.stashes, dict)
+                                          else self.stashes))))
+        for policy in (self.stash, *(v for _, v in self.stashes)):
+            if policy not in STASHES:
+                raise PlanError(f"graph_tiling stash {policy!r}: one of "
+                                f"{', '.join(map(repr, STASHES))}.")
         tile = tuple(int(t) for t in self.tile)
         object.__setattr__(self, "tile", tile)
         if len(tile) != 3 or min(tile) < 1:
@@ -389,9 +397,11 @@ class Plan:
             if self.graph_tiling is not None:
                 t = self.graph_tiling
                 grids = "finest grid" if t.levels == 1 else f"{t.levels} finest grids"
+                stashes = "" if t.stash == "none" else f", stashing {t.stash}"
+                if t.stashes:
+                    stashes += ", stashes in " + ", ".join(f"{k} ({v})" for k, v in t.stashes)
                 lines.append(f"  tiled: the {grids} in tiles of {format_shape(t.tile)}"
-                             f"{'' if t.stash == 'none' else f', stashing {t.stash}'}"
-                             f"{', copies across regions' if t.copy else ''}")
+                             f"{', copies across regions' if t.copy else ''}{stashes}")
         if self.model:
             shapes = " ".join(format_shape(s) for s in self.input_shapes)
             objective = "" if self.objective == "time" else f" objective={self.objective}"

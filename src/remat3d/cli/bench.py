@@ -74,6 +74,9 @@ _REPORTS = {  # subcommand: (module with main(argv), help)
     "predict": ("remat3d.bench.predict_report",
                 ("Plan whole-volume prediction at full size on meta; --cpu-time: a tiled "
                  "prediction's time on this CPU (docs/predict.md).")),
+    "graph-tiles": ("remat3d.bench.graph_tiles_report",
+                    ("Tiled graph plans at full size on meta, each tiling mode's peak and "
+                     "FLOPs, a tiled step's time on this CPU (docs/graph-tiles.md).")),
     "gpu": ("remat3d.bench.cuda_check",
             ("Run plans on a CUDA device: allocator peak against the verified peak, step "
              "times, bitwise exactness (docs/gpu.md).")),

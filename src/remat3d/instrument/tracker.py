@@ -414,6 +414,7 @@ class MemoryTracker(TorchDispatchMode):
         # (name, part, first timeline event, one past the last, live bytes at the start)
         # of each stretch of work named with window()
         self._windows: list[tuple[str, str, int, int, int]] = []
+        self._window_flops: dict[str, int] = {}
         self._time_ops = time_ops
         self._sync = self.device.startswith("cuda")
         self._meta = self.device == "meta"
@@ -528,10 +529,17 @@ class MemoryTracker(TorchDispatchMode):
         most live bytes while it ran (a tiled run's passes, which no module invocation
         covers whole: its tiles' backward runs outside every module)."""
         start, live = len(self.timeline), self.live()
+        flops = self._flops_total
         try:
             yield
         finally:
             self._windows.append((name, part, start, len(self.timeline), live))
+            self._window_flops[name] = self._window_flops.get(name, 0) + \
+                self._flops_total - flops
+
+    def window_flops(self) -> dict[str, int]:
+        """Per name given to :meth:`window`, the FLOPs booked while its stretches ran."""
+        return dict(self._window_flops)
 
     def window_peaks(self) -> dict[str, dict[str, int]]:
         """Per name and part given to :meth:`window`, the most live bytes on the device

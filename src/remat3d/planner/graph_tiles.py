@@ -11,9 +11,10 @@ NOTE [ Tiled regions of a graph ]
      ``pick`` (a small output of a ``reduce``), ``shell`` (a multi-output op whose
      outputs are all computed by its picks) or ``outside`` (anything else: it runs on
      whole tensors, as the untiled graph runs it).
-  2. A *region* is a set of ``local``, ``reduce`` and ``pick`` values run as one unit:
-     convex (no path leaves it and comes back), so it runs where its last member stood
-     once what follows it in the graph but reads none of it is moved after it. Values
+  2. A *region* is a set of ``local``, ``reduce``, ``pick`` and ``shell`` values run as
+     one unit:
+     convex (no path leaves it and comes back), so it runs as one unit of a topological
+     order of the graph. Values
      the region reads and does not make are its *inputs*, whole; members read outside it
      are its *outputs*: spatial ones made whole, written over each tile's owned part.
   3. A region runs in *passes*. A ``reduce`` is complete at the end of the pass its
@@ -30,6 +31,11 @@ NOTE [ Tiled regions of a graph ]
      needs of each member is found backward through the members' window relations
      (bounding boxes): members made in earlier passes and not made whole are computed
      again per tile, with their halos.
+  5. Tiles differ only where their halos meet the volume's faces: along each axis the
+     first tile, the last, and every one between alike (the one after the first stands
+     for them): ``tile_classes`` gives one of each kind and how many are of its kind, so
+     a measurement on fake tensors runs one tile and books every tile's work
+     (``runtime/tiled_graph.py`` NOTE rule 5).
   6. A member a later pass reads is computed again per tile there, with its halo, unless
      it is *stashed*: made whole (tile by tile, over owned parts) in the pass that makes
      it and read whole after. A stash trades its bytes for the work of recomputing it.
@@ -37,10 +43,6 @@ NOTE [ Tiled regions of a graph ]
      *copied*: the later region computes it again tile by tile from what the earlier one
      read (its chain of local members back to the earlier region's inputs and reduces,
      whose small results it reads), trading its bytes for the work.
-  5. Tiles differ only where their halos meet the volume's faces: along each axis the
-     first tile, the last, and every one between alike (the one after the first stands
-     for them). Measured on fake tensors, one tile of each kind runs and counts for all
-     of its kind: the peak is every tile's, the FLOPs those of all tiles.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ class TiledRegion:
                     later.add(i)
         if which == "sums":
             later &= {values[m].sums for m in self.members if values[m].kind == "reduce"}
+        elif which == "inputs":
+            later &= {i for m in self.members if values[m].kind == "reduce"
+                      for i in values[m].relations}
         return [m for m in self.members if m in later and m not in self.outputs]
 
     @property

@@ -58,7 +58,7 @@ import contextlib
 import operator
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -131,10 +131,12 @@ def tagged_partition(recompute: Iterable[str], digest: str | None = None,
         copies = recompute_twice(backward, again) if again else []
         if tiling is not None:
             save_norm_statistics(forward, backward, num_fwd_outputs)
+            per = dict(tiling.stashes)
             tile_graph(forward, tiling.tile, levels=tiling.levels, stash=tiling.stash,
-                       copy=tiling.copy)
+                       copy=tiling.copy, label="forward", stashes=per)
             tile_graph(backward, tiling.tile, names | {c.name for c in copies},
-                       levels=tiling.levels, stash=tiling.stash, copy=tiling.copy)
+                       levels=tiling.levels, stash=tiling.stash, copy=tiling.copy,
+                       label="backward", stashes=per)
         mark_recomputation(backward, names, copies)
         return forward, backward
 
@@ -429,6 +431,8 @@ class GraphStep:
     flops: dict[str, int]  # per phase: forward, backward, recompute
     breakdown: dict[str, int]  # the peak's bytes by kind (tracker.peak_breakdown)
     amp: torch.dtype | None = None  # the precision the plan's forward ran in
+    # per tiled region's label (runtime/tiled_graph.py NOTE rule 7): its peak and FLOPs
+    regions: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str],
@@ -484,8 +488,10 @@ def measure_graph_plan(model: nn.Module, inputs: tuple, recompute: Iterable[str]
             del output, value
     finally:
         tracker.close()
+    regions = {name: (parts.get("region", 0), tracker.window_flops().get(name, 0))
+               for name, parts in tracker.window_peaks().items()}
     return GraphStep(tracker.peak_bytes, tracker.saved_bytes, dict(tracker.flops),
-                     tracker.peak_breakdown(), amp_dtype(amp))
+                     tracker.peak_breakdown(), amp_dtype(amp), regions)
 
 
 class _LossTargets(TorchFunctionMode):

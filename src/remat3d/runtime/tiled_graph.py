@@ -3,9 +3,10 @@
 NOTE [ Running tiled regions ]
   1. ``tile_graph`` reads each node of an FX graph as a ``TileValue`` (what the op
      computes decides its kind, from the tables below; an op no table names is
-     ``outside``), keeps as members those on the tiled grid, and replaces each convex
-     region by one call, its outputs picked from the call's result. Nodes after a region
-     that read none of its outputs stay where they were; those that do move after it.
+     ``outside``), keeps as members those on the tiled grids, and replaces each convex
+     region by one call, its outputs picked from the call's result, in a topological
+     order of the graph with each region one unit, each unit as early as its inputs
+     allow in the order of its first node (the graph's own order where nothing moves).
   2. Every member is computed for exactly the region its readers need, from operands
      cropped to what it reads: a convolution reads its input window and pads with zeros
      only where that window leaves the volume (its own padding), then runs unpadded; a
@@ -21,20 +22,24 @@ NOTE [ Running tiled regions ]
   4. A region holds plain data only (the ops, their arguments with nodes named), so the
      graph it sits in can be copied. Members the partition recomputes run inside
      ``is_recomputing()``, as the graph's own recomputed ops do.
-  6. A normalisation the backward recomputes reads the statistics its forward saved
-     (``save_norm_statistics``: placeholders after the saved tensors, the forward's
-     outputs after its saved ones, the partition's convention): its output is then
-     pointwise in a tiled region.
   5. On fake tensors (a plan measured) a pass runs one tile: of the kinds of tiles
      (``planner/graph_tiles.py`` NOTE rule 5), the one whose parts hold the most bytes
      (its working set is every tile's largest). Each member's FLOPs per voxel of its
      region, booked by the tracker for that tile, count for its regions in every tile.
+  6. A normalisation the backward recomputes reads the statistics its forward saved
+     (``save_norm_statistics``: placeholders after the saved tensors, the forward's
+     outputs after its saved ones, the partition's convention): its output is then
+     pointwise in a tiled region.
+  7. A region is labelled by its graph ("forward" / "backward") and the name of its last
+     member: a plan sets a stash policy per label, and on fake tensors the tracker books
+     each region's peak and FLOPs under its label (``MemoryTracker.window``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,8 +335,9 @@ class _RegionRun:
 
     def __init__(self, region: TiledRegion, values: dict[str, TileValue],
                  ops: dict[str, _Op], sizes: dict[str, tuple[int, ...]],
-                 tile: tuple[int, ...], recomputed: set[str]) -> None:
+                 tile: tuple[int, ...], recomputed: set[str], label: str = "") -> None:
         self.region = region
+        self.label = label
         self.values = values
         self.ops = ops
         self.sizes = sizes  # every spatial value the region reads or makes
@@ -354,9 +360,12 @@ class _RegionRun:
             else:
                 self.small[name] = value
         del inputs
+        tracker = active_tracker() if self._fake() else None
         try:
-            for step in range(region.passes):
-                self._pass(step, recomputing)
+            with tracker.window(self.label, "region") if tracker is not None \
+                    else contextlib.nullcontext():
+                for step in range(region.passes):
+                    self._pass(step, recomputing)
             return tuple(self.whole[o] if o in self.sizes else self.small[o]
                          for o in region.outputs)
         finally:
@@ -831,12 +840,15 @@ def _values(gm: fx.GraphModule, grids: set[tuple[int, ...]]) -> list[TileValue]:
 
 
 def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[str] = (),
-               levels: int = 1, stash: str = "none", copy: bool = False
+               levels: int = 1, stash: str = "none", copy: bool = False,
+               label: str = "", stashes: Mapping[str, str] | None = None
                ) -> list[TiledRegion]:
     """Replace the ops of ``gm`` on its ``levels`` finest grids by tiled regions run in
     tiles of ``tile`` on the finest (NOTE rule 1), each stashing what ``stash`` says of
     what a later pass reads (``planner/graph_tiles.py`` NOTE rule 6), computing again what an
-    earlier region made when ``copy`` (rule 7); returns the regions."""
+    earlier region made when ``copy`` (rule 7); returns the regions. A region's label is
+    ``label`` and its last member's name (NOTE rule 7); ``stashes`` sets a stash policy
+    per label."""
     grids = sorted({g for g in (_grid(n) for n in gm.graph.nodes) if g is not None},
                    key=lambda s: -s[0] * s[1] * s[2])
     if not grids:
@@ -853,9 +865,11 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
     if not regions:
         return []
     by_name = {v.name: v for v in values}
-    if stash != "none":
-        for region in regions:
-            region.stashes = region.stashable(by_name, stash)
+    labels = [f"{label}:{r.members[-1]}" for r in regions]
+    for region, name in zip(regions, labels):
+        policy = (stashes or {}).get(name, stash)
+        if policy != "none":
+            region.stashes = region.stashable(by_name, policy)
     nodes = {n.name: n for n in gm.graph.nodes}
     by_name = {v.name: v for v in values}
     owner = {m: k for k, r in enumerate(regions) for m in r.members}
@@ -871,7 +885,7 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
             if nodes[m].target is operator.getitem and nodes[m].args[0].name not in ops:
                 ops[nodes[m].args[0].name] = _plain(nodes[m].args[0])
         sizes = {n: _grid(nodes[n]) for n in spatial}
-        run = _RegionRun(region, by_name, ops, sizes, tile, set(recomputed))
+        run = _RegionRun(region, by_name, ops, sizes, tile, set(recomputed), labels[len(runs)])
         run._shapes = {n: tuple(_first(_val(nodes[n])).shape) for n in names
                        if isinstance(_first(_val(nodes[n])), torch.Tensor)}
         run._dtypes = {m: [t.dtype if isinstance(t, torch.Tensor) else None
