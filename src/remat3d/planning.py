@@ -575,11 +575,13 @@ def _graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Plan,
 #      two grids with copies (each saves bytes and costs work), each at a quarter and an
 #      eighth of the finest grid.
 #   2. For a layout, the regions' stash policies are chosen per region: the step is
-#      measured with no stashes and with every stash policy, the tracker booking each
-#      region's peak and FLOPs under its label; a region runs at one time, so its own
-#      peak under a policy does not depend on the others' policies, and each region takes
-#      the policy of fewest FLOPs whose peak there fits. The mixture is measured again:
-#      the promise is that measurement.
+#      measured under each policy ("none" included), the tracker booking each region's
+#      peak and FLOPs under its label; a region runs at one time, so its own peak under a
+#      policy does not depend on the others' policies, and each region takes the policy
+#      of fewest FLOPs whose peak there fits (a stash may lower a region's peak too: where
+#      halos are wide, computing a tensor again per tile holds more than the stash). Where
+#      some region fits under no policy, each takes its lowest (for the smallest feasible
+#      budget). The mixture is measured again: the promise is that measurement.
 #   3. The smallest peak measured is the infeasible budget's smallest feasible one.
 _LAYOUTS = ((1, False), (1, True), (2, True))  # (levels, copy), cheapest first
 _POLICIES = ("inputs", "sums")  # stash policies tried against "none", cheapest first
@@ -614,24 +616,28 @@ def _tiled_graph_plan(model: nn.Module, examples: list[torch.Tensor], header: Pl
         return step
 
     for levels, copy_ in _LAYOUTS:
+        tried: set[tuple[int, ...]] = set()
         for parts in (4, 8):
-            tiling = GraphTiling(_tiles(grid, levels, parts), levels, "none", copy_)
-            plain = measure(tiling)
-            if plain.peak_bytes > budget:
+            tile = _tiles(grid, levels, parts)
+            if tile in tried:
                 continue
-            chosen: dict[str, str] = {}
-            for policy in _POLICIES:  # NOTE rule 2
-                step = measure(dataclasses.replace(tiling, stash=policy))
-                for label, (peak, flops) in step.regions.items():
-                    if label not in chosen and peak <= budget and \
-                            flops < plain.regions.get(label, (0, flops))[1]:
-                        chosen[label] = policy
-            best, step = tiling, plain
-            if chosen:
-                mixed = dataclasses.replace(tiling, stashes=tuple(chosen.items()))
-                measured = measure(mixed)
-                if measured.peak_bytes <= budget:
-                    best, step = mixed, measured
+            tried.add(tile)
+            steps = {policy: measure(GraphTiling(tile, levels, policy, copy_))
+                     for policy in ("none", *_POLICIES)}
+            chosen, lowest = {}, {}  # NOTE rule 2: per region
+            for label in steps["none"].regions:
+                options = {p: s.regions[label] for p, s in steps.items() if label in s.regions}
+                lowest[label] = min(options, key=lambda p: options[p][0])
+                fitting = [(flops, p) for p, (peak, flops) in options.items() if peak <= budget]
+                if fitting:
+                    chosen[label] = min(fitting)[1]
+            mix = chosen if len(chosen) == len(lowest) else lowest
+            best = GraphTiling(tile, levels, "none", copy_,
+                               tuple((k, v) for k, v in mix.items() if v != "none"))
+            same = set(mix.values()) or {"none"}
+            step = steps[same.pop()] if len(same) == 1 else measure(best)
+            if step.peak_bytes > budget:
+                continue
             flops = sum(step.flops.values())
             stashed = sorted(set(dict(best.stashes).values())) or ["none"]
             note = (f"tiled graph plan: every forward op recomputed in backward, the "
