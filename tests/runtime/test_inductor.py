@@ -170,22 +170,12 @@ def test_ddp_around_a_compiled_graph_plan_equals_one_accumulating_process(tmp_pa
     then wrapped in DDP. The inductor-compiled backward feeds DDP's gradient hooks like
     any step: two processes' averaged gradients are one process's over both volumes, bit
     for bit, and every rank planned the same graph plan."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    saved = {}
-    for processes in (1, 2):
-        out = tmp_path / f"{processes}.pt"
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={processes}", str(Path(__file__).parent / "ddp_graph_plan.py"),
-             str(out)], env=env, capture_output=True, text=True, timeout=900, check=False)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        saved[processes] = torch.load(out, weights_only=True)
+    from tests.runtime.torchrun import torchrun
+
+    script = Path(__file__).parent / "ddp_graph_plan.py"
+    saved = {n: torchrun(script, n, tmp_path / f"{n}.pt") for n in (1, 2)}
     for processes, got in saved.items():
         (backend, recompute), *others = got["choices"]
         assert backend == "inductor" and recompute, processes

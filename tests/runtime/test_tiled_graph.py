@@ -124,24 +124,13 @@ def test_ddp_trains_with_a_tiled_graph_plan(tmp_path):
     """Two gloo processes under DDP, each stepping a tiled graph plan on its own volume,
     average to one process's gradients over both volumes, bit for bit: the tiled
     backward feeds DDP's gradient hooks like any graph plan's."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from tests.runtime.torchrun import torchrun
+
     pytest.importorskip("dynamic_network_architectures")
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    saved = {}
-    for processes in (1, 2):
-        out = tmp_path / f"{processes}.pt"
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={processes}",
-             str(Path(__file__).parent / "ddp_tiled_graph_plan.py"), str(out)],
-            env=env, capture_output=True, text=True, timeout=900, check=False)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        saved[processes] = torch.load(out, weights_only=True)["grads"]
+    script = Path(__file__).parent / "ddp_tiled_graph_plan.py"
+    saved = {n: torchrun(script, n, tmp_path / f"{n}.pt")["grads"] for n in (1, 2)}
     assert saved[1].keys() == saved[2].keys()
     for name, grad in saved[1].items():
         assert torch.equal(saved[2][name], grad), name
