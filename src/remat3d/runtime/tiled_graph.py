@@ -335,8 +335,11 @@ class _RegionRun:
 
     def __init__(self, region: TiledRegion, values: dict[str, TileValue],
                  ops: dict[str, _Op], sizes: dict[str, tuple[int, ...]],
+                 shapes: dict[str, tuple[int, ...]], dtypes: dict[str, list],
                  tile: tuple[int, ...], recomputed: set[str], label: str = "") -> None:
         self.region = region
+        self._shapes = shapes  # of every tensor value the region reads or makes
+        self._dtypes = dtypes  # of each member's outputs
         self.label = label
         self.values = values
         self.ops = ops
@@ -885,14 +888,14 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
             if nodes[m].target is operator.getitem and nodes[m].args[0].name not in ops:
                 ops[nodes[m].args[0].name] = _plain(nodes[m].args[0])
         sizes = {n: _grid(nodes[n]) for n in spatial}
-        run = _RegionRun(region, by_name, ops, sizes, tile, set(recomputed), labels[len(runs)])
-        run._shapes = {n: tuple(_first(_val(nodes[n])).shape) for n in names
-                       if isinstance(_first(_val(nodes[n])), torch.Tensor)}
-        run._dtypes = {m: [t.dtype if isinstance(t, torch.Tensor) else None
-                           for t in (_val(nodes[m]) if isinstance(_val(nodes[m]), (tuple, list))
-                                     else [_val(nodes[m])])]
-                       for m in region.members}
-        runs.append(run)
+        shapes = {n: tuple(_first(_val(nodes[n])).shape) for n in names
+                  if isinstance(_first(_val(nodes[n])), torch.Tensor)}
+        dtypes = {m: [t.dtype if isinstance(t, torch.Tensor) else None
+                      for t in (_val(nodes[m]) if isinstance(_val(nodes[m]), (tuple, list))
+                                else [_val(nodes[m])])]
+                  for m in region.members}
+        runs.append(_RegionRun(region, by_name, ops, sizes, shapes, dtypes, tile,
+                               set(recomputed), labels[len(runs)]))
     _rewrite(gm, regions, runs, owner)
     return regions
 
