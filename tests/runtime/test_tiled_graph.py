@@ -22,6 +22,15 @@ def _nnunetv2():
     return get_preset("nnunetv2").factory(strides=[1, 2, 2], features_per_stage=[4, 8, 16])
 
 
+def _resenc():
+    # residual blocks: a copied chain passes through a residual add another region's copy
+    # rewired (tiled_graph._copy_across copies one region's chains a round)
+    pytest.importorskip("dynamic_network_architectures")
+    from remat3d.zoo.presets import get_preset
+
+    return get_preset("resenc-l").factory(strides=[1, 2, 2], features_per_stage=[4, 8, 16])
+
+
 def _segresnet():
     from monai.networks.nets import SegResNet
 
@@ -37,7 +46,7 @@ def _unet():
 
 
 NETS = {"nnunetv2-instancenorm": (_nnunetv2, 32), "segresnet-groupnorm": (_segresnet, 16),
-        "unet-instancenorm": (_unet, 16)}
+        "unet-instancenorm": (_unet, 16), "resenc-residual": (_resenc, 32)}
 
 
 def _grads(model, x, dtype, tile=None, recompute=(), copied=True):

@@ -767,7 +767,7 @@ def _copy_across(gm: fx.GraphModule, regions: list[TiledRegion], values: list[Ti
     their chains of local members (``planner/graph_tiles.py`` NOTE rule 7), where nothing
     outside the regions reads them whole. Forward values only (in a backward graph, the
     recomputed ones: a gradient is never computed twice); the copies of recomputed ops are
-    recomputations too. Whether anything was copied."""
+    recomputations too. Whether anything was copied (one later region's copies a call)."""
     by_name = {v.name: v for v in values}
     nodes = {n.name: n for n in gm.graph.nodes}
     order = {n.name: k for k, n in enumerate(gm.graph.nodes)}
@@ -782,7 +782,6 @@ def _copy_across(gm: fx.GraphModule, regions: list[TiledRegion], values: list[Ti
         # a view or detach of a recomputed value (the partition's own) is one too
         return node.target in _VIEWS | _FREE and copyable(node.args[0].name)
 
-    changed = False
     for region in regions:
         inside = set(region.members)
         wanted: dict[int, list[str]] = {}  # a later region -> the outputs it copies
@@ -823,11 +822,12 @@ def _copy_across(gm: fx.GraphModule, regions: list[TiledRegion], values: list[Ti
             for reader in readers:
                 for n in names:
                     reader.replace_input_with(nodes[n], env[n])
-            changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed
+            # one region's copies a round: the next reads the graph as it now is (a chain
+            # copied later may pass through readers rewired here)
+            gm.graph.lint()
+            gm.recompile()
+            return True
+    return False
 
 
 # ----------------------------------------------------------------------------- the rewrite
