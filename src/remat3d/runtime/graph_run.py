@@ -50,6 +50,10 @@ NOTE [ Running a graph plan ]
      plan says the model runs compiled; it is compiled once per shape, as a compiled
      model's is). A step inductor cannot compile runs op by op instead, with one warning
      (the memory verified is that run's).
+  9. A plan with a ``GraphTiling`` (``Plan.graph_tiling``) has both graphs rewritten after
+     the partition: their finest grids' ops run in tiled regions (``runtime/tiled_graph.py``,
+     NOTE [ Running tiled regions ]); the normalisations the backward recomputes read the
+     statistics the forward saved. Everything above holds for the rewritten graphs.
 """
 
 from __future__ import annotations

@@ -849,9 +849,10 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
     """Replace the ops of ``gm`` on its ``levels`` finest grids by tiled regions run in
     tiles of ``tile`` on the finest (NOTE rule 1), each stashing what ``stash`` says of
     what a later pass reads (``planner/graph_tiles.py`` NOTE rule 6), computing again what an
-    earlier region made when ``copy`` (rule 7); returns the regions. A region's label is
-    ``label`` and its last member's name (NOTE rule 7); ``stashes`` sets a stash policy
-    per label."""
+    earlier region made when ``copy`` (rule 7); returns the regions. ``label`` says which
+    graph ``gm`` is (``"forward"``: every value may be copied; else only the
+    ``recomputed`` ones) and starts its regions' labels (NOTE rule 7); ``stashes`` sets a
+    stash policy per label."""
     grids = sorted({g for g in (_grid(n) for n in gm.graph.nodes) if g is not None},
                    key=lambda s: -s[0] * s[1] * s[2])
     if not grids:
@@ -859,7 +860,7 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
     recomputed = set(recomputed)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     returned = [a.name for a in output.all_input_nodes]
-    forward = not recomputed  # a forward graph: every value is a forward value
+    forward = label == "forward"  # a forward graph: every value is a forward value
     while True:  # each round copies into later regions only: it ends
         values = _values(gm, set(grids[:levels]))
         regions = regions_of(values, returned)
