@@ -61,8 +61,11 @@ def _grads(model, x, dtype, tile=None, recompute=(), copied=True):
                           else p.grad.double() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("levels,stash,copy", [(1, "none", False), (2, "all", False),
-                                               (2, "sums", True)])
+# stashing everything on two grids is the third layout; -m slow (the default run keeps
+# one grid, and two grids with copies and stashes of sums)
+@pytest.mark.parametrize("levels,stash,copy", [
+    (1, "none", False), pytest.param(2, "all", False, marks=pytest.mark.slow),
+    (2, "sums", True)])
 @pytest.mark.parametrize("net", NETS)
 def test_tiled_step_is_the_untiled_step_up_to_rounding(net, levels, stash, copy):
     factory, size = NETS[net]
