@@ -55,9 +55,11 @@ from remat3d.halo import (
     SpatialOp,
     conv_input_interval,
     conv_transpose_input_slices,
+    region_size,
 )
 from remat3d.instrument.tracker import active_tracker
 from remat3d.planner.graph_tiles import TiledRegion, TileValue, needed, regions_of
+from remat3d.runtime.tiling.execute import compute_dtype, crop
 
 __all__ = ["save_norm_statistics", "tile_graph"]
 
@@ -98,17 +100,14 @@ def _grid(node: Any) -> tuple[int, ...] | None:
 
 # ----------------------------------------------------------------------------- reading nodes
 
-def _conv_op(kind: str, node: fx.Node) -> SpatialOp:
-    """The window relation of a convolution node's parameters (``kind``: which way)."""
-    stride, padding, dilation = (tuple(node.args[k]) for k in (3, 4, 5))
-    kernel = tuple(_val(node.args[1]).shape[2:])
-    return SpatialOp(kind, (0,), 1, kernel, stride, padding, dilation)
-
-
-def _conv_backward_op(node: fx.Node, kind: str) -> SpatialOp:
-    # convolution_backward(grad, input, weight, bias_sizes, stride, padding, dilation, ...)
-    stride, padding, dilation = (tuple(node.args[k]) for k in (4, 5, 6))
-    kernel = tuple(_val(node.args[2]).shape[2:])
+def _conv_op(node: fx.Node, kind: str) -> SpatialOp:
+    """The window relation (``kind``: which way) of a ``convolution`` or a
+    ``convolution_backward`` node's weight, stride, padding and dilation."""
+    # convolution(x, weight, bias, stride, ...); convolution_backward(grad, x, weight,
+    # bias_sizes, stride, ...)
+    w = 2 if node.target is aten.convolution_backward.default else 1
+    stride, padding, dilation = (tuple(node.args[k]) for k in (w + 2, w + 3, w + 4))
+    kernel = tuple(_val(node.args[w]).shape[2:])
     return SpatialOp(kind, (0,), 1, kernel, stride, padding, dilation)
 
 
@@ -171,7 +170,7 @@ def _classify(node: fx.Node, grids: set[tuple[int, ...]], kinds: dict[str, str])
             return outside
         x = node.args[0]
         kind = CONV_TRANSPOSE if transposed else CONV
-        return TileValue(node.name, "local", inputs, grid, {x.name: _conv_op(kind, node)})
+        return TileValue(node.name, "local", inputs, grid, {x.name: _conv_op(node, kind)})
     return outside
 
 
@@ -187,7 +186,7 @@ def _conv_backward(node: fx.Node, grids: set[tuple[int, ...]]) -> TileValue | No
     inputs = [a.name for a in node.all_input_nodes]
     if not (mask[1] or mask[2]):
         return TileValue(node.name, "shell", inputs)
-    window = _conv_backward_op(node, CONV_TRANSPOSE if transposed else CONV)
+    window = _conv_op(node, CONV_TRANSPOSE if transposed else CONV)
     return TileValue(node.name, "reduce", inputs, None,
                      {grad.name: _SAME, x.name: window}, grad.name)
 
@@ -211,7 +210,7 @@ def _pick(node: fx.Node, grids: set[tuple[int, ...]]) -> TileValue | None:
         grad, transposed = source.args[0], bool(source.args[7])
         if grid is None or grid not in grids or (transposed and source.args[9] != 1):
             return None
-        rel = _conv_backward_op(source, CONV if transposed else CONV_TRANSPOSE)
+        rel = _conv_op(source, CONV if transposed else CONV_TRANSPOSE)
         return TileValue(node.name, "local", [grad.name, source.args[2].name, source.name],
                          grid, {grad.name: rel})
     if target in _NORMS | _NORM_BACKWARDS and _grid(source.args[0]) in grids:
@@ -256,19 +255,12 @@ def _plain(node: fx.Node) -> _Op:
 
 # ----------------------------------------------------------------------------- tensors
 
-def _crop(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
-    """The part of ``t`` (covering ``have``) covering ``want`` (a view)."""
-    for axis, ((h0, _), (w0, w1)) in enumerate(zip(have, want)):
-        if w0 != h0 or w1 - w0 != t.shape[2 + axis]:
-            t = t.narrow(2 + axis, w0 - h0, w1 - w0)
-    return t
-
-
-def _voxels(region: Region) -> int:
-    n = 1
-    for lo, hi in region:
-        n *= max(hi - lo, 0)
-    return n
+def _conv_window(want: Region, kernel: Any, stride: Any, padding: Any, dilation: Any
+                 ) -> Region:
+    """The input a convolution reads for outputs ``want``, unclamped (into its padding)."""
+    return tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
+                                     padding=padding[a], dilation=dilation[a])
+                 for a, (lo, hi) in enumerate(want))
 
 
 def _fit(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
@@ -278,7 +270,7 @@ def _fit(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
     if any(lo >= hi for lo, hi in inner):
         shape = (*t.shape[:2], *(hi - lo for lo, hi in want))
         return t.new_zeros(shape)
-    t = _crop(t, have, inner)
+    t = crop(t, have, inner)
     pad: list[int] = []
     for (lo, hi), (w0, w1) in reversed(list(zip(inner, want))):
         pad += [lo - w0, w1 - hi]
@@ -287,7 +279,7 @@ def _fit(t: torch.Tensor, have: Region, want: Region) -> torch.Tensor:
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in at least float32 (NOTE rule 3)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t.to(compute_dtype(t.dtype))
 
 
 def _extent(region: Region) -> list[int]:
@@ -308,7 +300,7 @@ class _Tile:
         else:
             t = self.run.whole[name]
             have = tuple((0, n) for n in t.shape[2:])
-        return _crop(t, have, want)
+        return crop(t, have, want)
 
     def window(self, name: str, want: Region) -> torch.Tensor:
         """``name`` over ``want``, zeros where ``want`` leaves the volume."""
@@ -389,20 +381,20 @@ class _RegionRun:
             classes = [(t, k, needed(region, values, step, t, done))
                        for t, k in region.tile_classes(self.tile)]
             largest = max(classes, key=lambda c: sum(
-                _voxels(r) * self._voxel_bytes(m) for m, r in c[2].items()))
+                region_size(r) * self._voxel_bytes(m) for m, r in c[2].items()))
             tracker = active_tracker()
-            rates = self._tile(step, largest[0], largest[2], made_whole, reduces, sums,
-                               recomputing, tracker)
+            rates = self._tile(step, largest[0], largest[2], made_whole, done, reduces,
+                               sums, recomputing, tracker)
             if tracker is not None:
                 for phase, rate in rates.items():
-                    total = sum(k * sum(r * _voxels(want[m]) for m, r in rate.items()
+                    total = sum(k * sum(r * region_size(want[m]) for m, r in rate.items()
                                         if m in want) for _, k, want in classes)
-                    run = sum(r * _voxels(largest[2][m]) for m, r in rate.items())
+                    run = sum(r * region_size(largest[2][m]) for m, r in rate.items())
                     tracker.add_flops(phase, round(total - run))
         else:
             for tile in region.tiles(self.tile):
                 self._tile(step, tile, needed(region, values, step, tile, done), made_whole,
-                           reduces, sums, recomputing, None)
+                           done, reduces, sums, recomputing, None)
         for name in reduces:
             self.small[name] = self._finish(name, sums.get(name))
         for name in region.stashes:  # read by no later pass
@@ -415,19 +407,20 @@ class _RegionRun:
                 self.small[name] = self.small[v.inputs[0]][index]
 
     def _tile(self, step: int, tile: Region, want: dict[str, Region],
-              made_whole: list[str], reduces: list[str], sums: dict[str, Any],
-              recomputing: Any, tracker: Any) -> dict[str, dict[str, float]]:
-        """One tile of one pass: its members over what the pass needs of them, its
-        reduces' partial sums, its part of the outputs made whole. With ``tracker``, the
+              made_whole: list[str], done: set[str], reduces: list[str],
+              sums: dict[str, Any], recomputing: Any, tracker: Any
+              ) -> dict[str, dict[str, float]]:
+        """One tile of one pass: its members over what the pass needs of them (``done``:
+        whole already), its reduces' partial sums, its part of the outputs made whole
+        (``made_whole``). With ``tracker``, the
         FLOPs each member booked per voxel of its region (NOTE rule 5), by phase."""
         rates: dict[str, dict[str, float]] = {}
         part = _Tile(self)
-        done = set(self.whole) - set(made_whole)
 
         def booked(name: str, region: Region, before: dict[str, int]) -> None:
             for phase, n in tracker.flops.items():
-                if n != before[phase] and _voxels(region):
-                    rates.setdefault(phase, {})[name] = (n - before[phase]) / _voxels(region)
+                if n != before[phase] and region_size(region):
+                    rates.setdefault(phase, {})[name] = (n - before[phase]) / region_size(region)
 
         for name in self.region.members:
             if name not in want or self.values[name].kind != "local" or name in done:
@@ -443,7 +436,7 @@ class _RegionRun:
                 booked(name, want[name], before)
         for name in reduces:
             owned = want.get(name)
-            if owned is not None and _voxels(owned):
+            if owned is not None and region_size(owned):
                 before = dict(tracker.flops) if tracker is not None else {}
                 sums[name] = _add(sums.get(name), self._partial(part, name, owned))
                 if tracker is not None:
@@ -452,7 +445,7 @@ class _RegionRun:
             owned = want[name]
             t, have = part.parts[name]
             own = tuple((0, n) for n in self.sizes[name])
-            _crop(self.whole[name], own, owned).copy_(_crop(t, have, owned))
+            crop(self.whole[name], own, owned).copy_(crop(t, have, owned))
         return rates
 
     def _voxel_bytes(self, name: str) -> int:
@@ -521,9 +514,7 @@ class _RegionRun:
         kernel = w.shape[2:]
         zeros = [0, 0, 0]
         if not transposed:
-            window = tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
-                                               padding=padding[a], dilation=dilation[a])
-                           for a, (lo, hi) in enumerate(want))
+            window = _conv_window(want, kernel, stride, padding, dilation)
             return aten.convolution(part.window(x.name, window), w, b, stride, zeros,
                                     dilation, False, zeros, groups)
         slices, starts = conv_transpose_input_slices(
@@ -540,9 +531,7 @@ class _RegionRun:
         stride, padding, dilation, transposed, _, groups = source.args[4:10]
         kernel, zeros = w.shape[2:], [0, 0, 0]
         if transposed:  # the input gradient of a transposed convolution is a convolution
-            window = tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
-                                               padding=padding[a], dilation=dilation[a])
-                           for a, (lo, hi) in enumerate(want))
+            window = _conv_window(want, kernel, stride, padding, dilation)
             return aten.convolution(part.window(grad, window), w, None, stride, zeros,
                                     dilation, False, zeros, groups)
         slices, starts = conv_transpose_input_slices(
@@ -575,9 +564,7 @@ class _RegionRun:
         kernel, zeros = w.shape[2:], [0, 0, 0]
         wanted = [False, bool(mask[1]), bool(mask[2])]
         if not transposed:
-            window = tuple(conv_input_interval(lo, hi, kernel=kernel[a], stride=stride[a],
-                                               padding=padding[a], dilation=dilation[a])
-                           for a, (lo, hi) in enumerate(owned))
+            window = _conv_window(owned, kernel, stride, padding, dilation)
             _, gw, gb = aten.convolution_backward(
                 part.get(grad, owned), part.window(x, window), w, bias_sizes, stride, zeros,
                 dilation, False, zeros, groups, wanted)
@@ -632,7 +619,7 @@ class _RegionRun:
             scale = rstd * w6
             shift = bias.view(1, groups, -1, 1, 1, 1) - mean * scale
             stats = (mean.view(mean.shape[0], groups), rstd.view(mean.shape[0], groups))
-        wide = torch.promote_types(dtypes[0], torch.float32)
+        wide = compute_dtype(dtypes[0])
         return (None, stats[0].to(dtypes[1]), stats[1].to(dtypes[2]),
                 (scale.to(wide), shift.to(wide)))
 
@@ -680,7 +667,7 @@ class _RegionRun:
                           for t in (a, per_channel(c2), per_channel(c3)))
             gw = ((ds - db * per_channel(mean)) * per_channel(rstd)).sum(0)
             gb = db.sum(0)
-        wide = torch.promote_types(dtypes[0], torch.float32)
+        wide = compute_dtype(dtypes[0])
         return (None, gw.to(dtypes[1]) if mask[1] else None,
                 gb.to(dtypes[2]) if mask[2] else None, tuple(t.to(wide) for t in coeff))
 
@@ -875,7 +862,6 @@ def tile_graph(gm: fx.GraphModule, tile: tuple[int, ...], recomputed: Iterable[s
         if policy != "none":
             region.stashes = region.stashable(by_name, policy)
     nodes = {n.name: n for n in gm.graph.nodes}
-    by_name = {v.name: v for v in values}
     owner = {m: k for k, r in enumerate(regions) for m in r.members}
     runs = []
     for region in regions:
